@@ -1,0 +1,1092 @@
+"""
+grpo.py: GRPO for LLMs in one file. FSDP2 trains, an in-process vLLM engine generates, on the same devices.
+
+This is the training loop of NVIDIA NeMo-RL's GRPO (same config names, same step order) without Ray:
+every torchrun rank trains its FSDP2 shard of the policy and holds its own vLLM engine, and after each
+optimizer step the new weights are streamed into the engine in place.
+
+Run it:
+    torchrun --nproc_per_node=8 grpo.py                              # the real job (config.yaml)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 grpo.py
+    python grpo.py policy.model_name=tiny-debug                      # the whole loop on a CPU, offline
+    python grpo.py --config my.yaml grpo.max_num_steps=100 loss_fn.reference_policy_kl_penalty=0
+    python -m pytest -q test_grpo.py                                 # the tests (CPU)
+
+Overrides are `section.key=value`, values parsed as YAML. `policy.model_name=tiny-debug` builds a tiny random
+model with a character tokenizer and selects the built-in debug task: a preset that the command line can still
+override.
+
+Sections, in the order data flows: config, distributed setup, data and rewards, model, generation engine,
+rollout, advantages and loss, train step, validation, logging, main.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import difflib
+import importlib
+import json
+import os
+import re
+import socket
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Optional, Union, get_args, get_origin, get_type_hints
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+# ======================================================================================================
+# Config
+# ======================================================================================================
+# Nested dataclasses mirror config.yaml. Defaults here are the real job; config.yaml repeats them with a
+# comment per knob. Names follow NeMo-RL's examples/configs/grpo_math_1B.yaml where the concept exists.
+
+
+@dataclass
+class GRPOConfig:
+    num_prompts_per_step: int = 32
+    num_generations_per_prompt: int = 16
+    max_num_steps: int = 1000
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = True
+    val_period: int = 10
+    val_at_start: bool = False
+    val_batch_size: int = 256
+    max_val_samples: int = 256
+    seed: int = 42
+
+
+@dataclass
+class LossConfig:
+    reference_policy_kl_penalty: float = 0.01
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    ratio_clip_c: Optional[float] = None
+    token_level_loss: bool = True
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 5.0e-6
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1.0e-8
+    warmup_steps: int = 50
+
+
+@dataclass
+class VllmConfig:
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.6
+    max_model_len: Optional[int] = None
+    enforce_eager: bool = False
+    cpu_kvcache_space_gb: int = 1
+
+
+@dataclass
+class GenerationConfig:
+    backend: str = "vllm"
+    max_new_tokens: int = 768
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
+    vllm_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class PolicyConfig:
+    model_name: str = "Qwen/Qwen2.5-1.5B-Instruct"
+    train_global_batch_size: int = 512
+    train_micro_batch_size: int = 4
+    logprob_batch_size: int = 8
+    logprob_chunk_size: int = 1024
+    max_total_sequence_length: int = 1024
+    precision: str = "bfloat16"
+    max_grad_norm: float = 1.0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+@dataclass
+class DataConfig:
+    dataset_name: str = "openai/gsm8k"
+    dataset_config: Optional[str] = "main"
+    val_dataset_name: Optional[str] = None
+    split: str = "train"
+    val_split: str = "test"
+    input_key: str = "question"
+    output_key: str = "answer"
+    prompt_template: str = ("Think step-by-step to solve the following problem. "
+                            "Output your answer inside of \\boxed{{}} tags.:\n{}\n\nLet's think step-by-step")
+    system_prompt: Optional[str] = None
+    shuffle: bool = True
+
+
+@dataclass
+class EnvConfig:
+    reward_fn: Optional[str] = None
+
+
+@dataclass
+class LoggerConfig:
+    log_dir: str = "logs"
+    num_samples_to_print: int = 2
+    wandb_enabled: bool = False
+    tensorboard_enabled: bool = False
+    wandb_project: str = "grpo"
+    wandb_name: Optional[str] = None
+
+
+@dataclass
+class Config:
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    loss_fn: LossConfig = field(default_factory=LossConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+TINY_DEBUG = "tiny-debug"
+# `policy.model_name=tiny-debug` is a preset: merged over config.yaml, under the command line.
+TINY_DEBUG_PRESET = {
+    "grpo": {"num_prompts_per_step": 16, "num_generations_per_prompt": 8, "val_period": 10,
+             "val_batch_size": 64, "max_val_samples": 64},
+    "loss_fn": {"reference_policy_kl_penalty": 0.0},
+    "policy": {"train_global_batch_size": 64, "train_micro_batch_size": 16, "logprob_batch_size": 32,
+               "max_total_sequence_length": 64, "precision": "float32",
+               "optimizer": {"lr": 3.0e-3, "weight_decay": 0.0, "warmup_steps": 1},
+               "generation": {"max_new_tokens": 16, "vllm_cfg": {"enforce_eager": True}}},
+    "data": {"dataset_name": "debug", "prompt_template": "{}"},
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """`a.b.c=value` strings -> nested dict; values are YAML (so 3, 1.0e-3, true, null, [1, 2] all work)."""
+    out: dict = {}
+    for arg in args:
+        key, sep, raw = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"command line: '{arg}' is not of the form section.key=value")
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(raw)
+    return out
+
+
+def coerce(tp, value, key: str):
+    """Check `value` against the annotation `tp`; returns the value (dataclasses built recursively)."""
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, key)
+    if get_origin(tp) is Union:  # Optional[X]
+        if value is None:
+            return None
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
+          str: isinstance(value, str), list: isinstance(value, list), dict: isinstance(value, dict)}
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-5 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif ok[tp]:
+        return value
+    raise ConfigError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} ({value!r})")
+
+
+def build_dataclass(cls, data, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix}': expected a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), list(hints), n=1)
+            raise ConfigError(f"unknown config key '{full}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        kwargs[key] = coerce(hints[key], value, full)
+    return cls(**kwargs)
+
+
+def check_config(cfg: Config, world_size: int) -> None:
+    """Values that are each fine but do not fit together. Every message names the key."""
+    g, p, gen = cfg.grpo, cfg.policy, cfg.policy.generation
+    checks = [
+        (gen.backend in ("vllm", "hf"), "policy.generation.backend must be 'vllm' or 'hf'"),
+        (p.precision in ("bfloat16", "float32"), "policy.precision must be 'bfloat16' or 'float32'"),
+        (g.num_prompts_per_step % world_size == 0,
+         f"grpo.num_prompts_per_step={g.num_prompts_per_step} must be divisible by the world size {world_size}"),
+        ((g.num_prompts_per_step * g.num_generations_per_prompt) % p.train_global_batch_size == 0,
+         f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = "
+         f"{g.num_prompts_per_step * g.num_generations_per_prompt} must be a multiple of "
+         f"policy.train_global_batch_size={p.train_global_batch_size}"),
+        (p.train_global_batch_size % (p.train_micro_batch_size * world_size) == 0,
+         f"policy.train_global_batch_size={p.train_global_batch_size} must be divisible by "
+         f"policy.train_micro_batch_size x world size = {p.train_micro_batch_size * world_size}"),
+        (gen.max_new_tokens < p.max_total_sequence_length,
+         "policy.generation.max_new_tokens must be smaller than policy.max_total_sequence_length"),
+        (gen.vllm_cfg.tensor_parallel_size == 1,
+         "policy.generation.vllm_cfg.tensor_parallel_size: only 1 is supported so far"),
+        (gen.temperature > 0, "policy.generation.temperature must be > 0"),
+        (0 < gen.top_p <= 1, "policy.generation.top_p must be in (0, 1]"),
+        (cfg.loss_fn.ratio_clip_c is None or cfg.loss_fn.ratio_clip_c > 1, "loss_fn.ratio_clip_c must be > 1 or null"),
+        (cfg.loss_fn.reference_policy_kl_penalty >= 0, "loss_fn.reference_policy_kl_penalty must be >= 0"),
+        (len(p.optimizer.betas) == 2, "policy.optimizer.betas must have two values"),
+        (g.num_prompts_per_step > 0 and g.num_generations_per_prompt > 0 and g.max_num_steps > 0,
+         "grpo.num_prompts_per_step, grpo.num_generations_per_prompt and grpo.max_num_steps must be > 0"),
+        (g.val_batch_size > 0, "grpo.val_batch_size must be > 0"),
+        (cfg.env.reward_fn is None or ":" in cfg.env.reward_fn, "env.reward_fn must be 'module:function' or null"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def load_config(argv: list[str], world_size: int = 1) -> Config:
+    """config.yaml (or --config PATH) <- tiny-debug preset if selected <- command-line overrides."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
+    if argv[:1] == ["--config"]:
+        if len(argv) < 2:
+            raise ConfigError("command line: --config needs a path")
+        path, argv = argv[1], argv[2:]
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        try:
+            from_file = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+    overrides = parse_overrides(argv)
+    merged = deep_merge(from_file, overrides)
+    if merged.get("policy", {}).get("model_name") == TINY_DEBUG:
+        merged = deep_merge(deep_merge(from_file, TINY_DEBUG_PRESET), overrides)
+    cfg = build_dataclass(Config, merged)
+    check_config(cfg, world_size)
+    return cfg
+
+
+# ======================================================================================================
+# Distributed setup
+# ======================================================================================================
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def setup_distributed() -> Dist:
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` becomes a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        # ranks on one host share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        dist.init_process_group("gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def print0(*args, **kwargs):
+    if dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_reduce_sum(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# ======================================================================================================
+# Data and rewards
+# ======================================================================================================
+# A dataset is a list of {"prompt": str, "answer": Any}. A reward is a plain function
+# (prompt, completion, answer) -> float. Built-in tasks are procedural: no download.
+
+
+def debug_task(n: int, seed: int) -> list[dict]:
+    """Repeat one letter: learnable from random init in a few minutes on a CPU (the tiny-debug task)."""
+    rng = np.random.default_rng(seed)
+    return [{"prompt": f"Repeat the letter {c}.", "answer": c} for c in rng.choice(list("abcd"), n)]
+
+
+def arithmetic_task(n: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for a, b, op in zip(rng.integers(0, 100, n), rng.integers(0, 100, n), rng.choice(list("+-*"), n)):
+        rows.append({"prompt": f"What is {a} {op} {b}?", "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])})
+    return rows
+
+
+def countdown_task(n: int, seed: int) -> list[dict]:
+    """Reach the target with each number once and + - * /. Targets are made reachable by construction."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        numbers = [int(x) for x in rng.integers(1, 100, int(rng.integers(3, 5)))]
+        target = Fraction(numbers[0])
+        for x in numbers[1:]:
+            op = rng.choice(["+", "-", "*"] + (["/"] if target % x == 0 else []))
+            target = {"+": target + x, "-": target - x, "*": target * x, "/": target / x}[op]
+        rows.append({"prompt": f"Using the numbers {numbers}, create an equation that equals {int(target)}. "
+                               f"Use + - * / and each number exactly once.",
+                     "answer": {"numbers": numbers, "target": int(target)}})
+    return rows
+
+
+BUILTIN_TASKS = {"debug": debug_task, "arithmetic": arithmetic_task, "countdown": countdown_task}
+
+
+def extract_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...}, braces balanced; None if there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def parse_number(text: str) -> Optional[Fraction]:
+    text = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", text)
+    text = re.sub(r"\\text\{[^{}]*\}|\\[!,; ]|[$,\s]|\\%|%", "", text).rstrip(".")
+    text = re.sub(r"^\(([-\d.]+)\)/\(([-\d.]+)\)$", r"\1/\2", text)
+    if len(text) > 50:
+        return None
+    with contextlib.suppress(ValueError, ZeroDivisionError):
+        return Fraction(text)
+    return None
+
+
+def math_reward(prompt: str, completion: str, answer: Any) -> float:
+    """1.0 if the last \\boxed{} equals the answer (GSM8K's '#### N' accepted): math-verify if installed."""
+    pred = extract_boxed(completion)
+    if pred is None:
+        return 0.0
+    gold = str(answer).split("####")[-1].strip()
+    gold = extract_boxed(gold) or gold
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        a, b = parse_number(pred), parse_number(gold)
+        return float(a == b if a is not None and b is not None else pred.strip() == gold.strip())
+    return float(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
+
+
+COUNTDOWN_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+                 ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+
+
+def countdown_reward(prompt: str, completion: str, answer: Any) -> float:
+    """1.0 if the boxed equation uses each given number once and equals the target. Parsed with `ast` and a
+    whitelist (integers, + - * /), never eval: hostile text scores 0, fast."""
+    expr = extract_boxed(completion)
+    if expr is None or len(expr) > 100:
+        return 0.0
+    expr = expr.split("=")[0]
+    used: list[int] = []
+
+    def value(node) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in COUNTDOWN_OPS:
+            return COUNTDOWN_OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError("not allowed")
+
+    try:
+        result = value(ast.parse(expr.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return 0.0
+    return float(sorted(used) == sorted(answer["numbers"]) and result == answer["target"])
+
+
+def debug_reward(prompt: str, completion: str, answer: Any) -> float:
+    """Fraction of the completion's characters that are the requested letter."""
+    return completion.count(answer) / max(len(completion), 1)
+
+
+DEFAULT_REWARDS = {"debug": debug_reward, "arithmetic": math_reward, "countdown": countdown_reward}
+
+
+def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
+    if cfg.env.reward_fn:
+        module, _, name = cfg.env.reward_fn.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return DEFAULT_REWARDS.get(cfg.data.dataset_name, math_reward)
+
+
+def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int) -> list[dict]:
+    """Builtin task, local JSONL file, or Hugging Face dataset -> [{"prompt", "answer"}]."""
+    if name in BUILTIN_TASKS:
+        return BUILTIN_TASKS[name](n_builtin, seed)
+    if name.endswith(".jsonl"):
+        if not os.path.isfile(name):
+            raise ConfigError(f"data: file not found: {name}")
+        with open(name) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    else:
+        import datasets  # optional extra, only for dataset names
+        records = datasets.load_dataset(name, cfg.dataset_config, split=split)
+    if len(records) == 0:
+        raise ConfigError(f"data: {name} ({split}) is empty")
+    for key in (cfg.input_key, cfg.output_key):
+        if key not in records[0]:
+            raise ConfigError(f"data: {name} has no field '{key}' (fields: {sorted(records[0])})")
+    return [{"prompt": cfg.prompt_template.format(r[cfg.input_key]), "answer": r[cfg.output_key]} for r in records]
+
+
+def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
+    d, g = cfg.data, cfg.grpo
+    if d.dataset_name in BUILTIN_TASKS:  # procedural: the template wraps the task's question
+        train = [{**r, "prompt": d.prompt_template.format(r["prompt"])} for r in BUILTIN_TASKS[d.dataset_name](100_000, g.seed)]
+        val = [{**r, "prompt": d.prompt_template.format(r["prompt"])}
+               for r in BUILTIN_TASKS[d.dataset_name](g.max_val_samples, g.seed + 1)]
+        return train, val
+    train = load_rows(d.dataset_name, d.split, d, 0, g.seed)
+    if d.val_dataset_name:
+        val = load_rows(d.val_dataset_name, d.val_split, d, g.max_val_samples, g.seed + 1)
+    elif d.dataset_name.endswith(".jsonl"):  # a single file: hold out its last rows for validation
+        train, val = train[:-g.max_val_samples] or train, train[-g.max_val_samples:]
+    else:
+        val = load_rows(d.dataset_name, d.val_split, d, 0, g.seed)
+    return train, val[:g.max_val_samples]
+
+
+def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
+    """Chat template -> token ids. Prompts that leave no room for max_new_tokens are dropped and counted."""
+    budget = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
+    kept = []
+    for r in rows:
+        ids = tokenizer.apply_chat_template(system + [{"role": "user", "content": r["prompt"]}],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        if len(ids) <= budget:
+            kept.append({**r, "prompt_ids": list(ids)})
+    return kept, len(rows) - len(kept)
+
+
+@dataclass
+class Sampler:
+    """Seeded epoch-wise permutation; (epoch, offset) is its whole state, so it can resume exactly."""
+    size: int
+    seed: int
+    shuffle: bool
+    epoch: int = 0
+    offset: int = 0
+
+    def next_indices(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.size) if self.shuffle \
+                else np.arange(self.size)
+            take = order[self.offset:self.offset + k - len(out)]
+            out.extend(int(i) for i in take)
+            self.offset += len(take)
+            if self.offset >= self.size:
+                self.epoch, self.offset = self.epoch + 1, 0
+        return out
+
+
+# ======================================================================================================
+# Model
+# ======================================================================================================
+
+
+def build_tiny_debug(path: str) -> None:
+    """A tiny random Llama/Qwen2-style model with a character-level tokenizer and a chat template; seconds on a
+    CPU. head_dim is 32 because vLLM's CPU attention supports no smaller one. Llama rather than Qwen2 because
+    transformers maps every `qwen2` directory to its BPE tokenizer class, which would mangle this vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig as HFGenerationConfig
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", additional_special_tokens=specials[:2])
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=vocab["<|im_end|>"],
+                         pad_token_id=vocab["<|endoftext|>"], bos_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = HFGenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+    tmp = f"{path}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path)
+
+
+def resolve_model_path(cfg: Config) -> str:
+    """tiny-debug is built once per host (local rank 0) into a temp dir; anything else is a path or hub name."""
+    if cfg.policy.model_name != TINY_DEBUG:
+        return cfg.policy.model_name
+    path = os.path.join(tempfile.gettempdir(), "grpo-tiny-debug-v2")
+    if int(os.environ["LOCAL_RANK"]) == 0 and not os.path.isdir(path):
+        build_tiny_debug(path)
+    dist.barrier()
+    return path
+
+
+def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
+    """HF model -> FSDP2: each decoder layer is one shard unit, the root holds embeddings and head.
+    On GPU, bf16 compute with fp32 master weights and fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg.policy.precision == "bfloat16" and device.type == "cuda" else MixedPrecisionPolicy()
+    mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))
+    layer_classes = set(model._no_split_modules or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.requires_grad_(trainable)
+    return model.train(trainable)
+
+
+def make_optimizer(model, cfg: OptimizerConfig):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=tuple(cfg.betas), eps=cfg.eps)
+    warmup = max(cfg.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    return optimizer, scheduler
+
+
+def full_weights(model, dtype: torch.dtype):
+    """Yield (hf_name, full tensor) one parameter at a time, in model order: FSDP2 shards are gathered lazily,
+    so at most one full parameter exists here at a time. Tied weights appear once (named_parameters dedups)."""
+    from torch.distributed.tensor import DTensor
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        yield name, full.detach().to(dtype)
+
+
+def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float() / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def policy_logprobs(model, input_ids: torch.Tensor, first_completion: int, temperature: float,
+                    chunk_size: int) -> torch.Tensor:
+    """log p(token_t | tokens_<t) at temperature T, for positions >= first_completion; 0 before.
+    Only the completion span goes through the LM head, and log-softmax runs in fp32 chunks of `chunk_size`
+    rows, recomputed in backward, so no fp32 [batch, seq, vocab] tensor is ever alive."""
+    B, T = input_ids.shape
+    keep = T - first_completion + 1  # logits at positions first_completion-1 .. T-1
+    logits = model(input_ids=input_ids, logits_to_keep=keep, use_cache=False).logits[:, :-1]  # [B, keep-1, V]
+    targets = input_ids[:, first_completion:]  # [B, keep-1]
+    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    chunks = []
+    for i in range(0, flat_targets.numel(), chunk_size):
+        args = (flat_logits[i:i + chunk_size], flat_targets[i:i + chunk_size], temperature)
+        chunks.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+                      if torch.is_grad_enabled() else _chunk_logprobs(*args))
+    completion = torch.cat(chunks).view(B, -1)
+    return torch.cat([completion.new_zeros(B, first_completion), completion], dim=1)  # [B, T]
+
+
+# ======================================================================================================
+# Generation engine
+# ======================================================================================================
+# Two engines with one surface: generate(prompt_ids, seeds) -> [(completion_ids, logprobs)], and
+# refit(model) to take the policy's current weights. vLLM is the real one; hf is for debugging without vLLM.
+
+
+class VllmEngine:
+    """One in-process vLLM engine per rank (external_launcher), refit in place through reload_weights."""
+
+    def __init__(self, path: str, cfg: Config):
+        gen, vcfg = cfg.policy.generation, cfg.policy.generation.vllm_cfg
+        platform_kwargs = {}
+        if not torch.cuda.is_available():
+            # CPU build: bound the KV cache (by default it takes a share of all RAM), and never split a prompt
+            # over scheduler steps: a split prompt rewinds its seeded generator, which CPU generators can't do.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vcfg.cpu_kvcache_space_gb))
+            platform_kwargs["enable_chunked_prefill"] = False
+        from vllm import LLM, SamplingParams
+        self.SamplingParams = SamplingParams
+        self.gen = gen
+        self.dtype = getattr(torch, cfg.policy.precision)
+        self.llm = LLM(model=path, dtype=cfg.policy.precision, seed=cfg.grpo.seed,
+                       tensor_parallel_size=vcfg.tensor_parallel_size,
+                       distributed_executor_backend="external_launcher",
+                       gpu_memory_utilization=vcfg.gpu_memory_utilization,
+                       max_model_len=vcfg.max_model_len or cfg.policy.max_total_sequence_length,
+                       enforce_eager=vcfg.enforce_eager, enable_prefix_caching=True,
+                       logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
+                       **platform_kwargs, **gen.vllm_kwargs)
+
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+        # One SamplingParams per sample: with a seed shared by a prompt's samples, they would all be identical.
+        params = [self.SamplingParams(temperature=self.gen.temperature, top_p=self.gen.top_p,
+                                      top_k=self.gen.top_k or 0, max_tokens=self.gen.max_new_tokens,
+                                      logprobs=0, flat_logprobs=True, seed=s, detokenize=False) for s in seeds]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs.logprobs, dtype=torch.float32))
+                for o in outputs]
+
+    def refit(self, model) -> None:
+        # Always with an iterator: reload_weights without one re-reads the checkpoint and undoes training.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(model, self.dtype),
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        # vLLM's shutdown also destroys the default process group: call it after the trainer's last collective.
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+class HFEngine:
+    """`generate()` on the FSDP2 policy itself. Slow (every decoding step all-gathers the weights), no refit."""
+
+    def __init__(self, model, tokenizer, cfg: Config, device: torch.device):
+        self.model, self.tokenizer, self.gen, self.device = model, tokenizer, cfg.policy.generation, device
+
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+        pad = self.tokenizer.pad_token_id
+        width = max(map(len, prompt_ids))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=self.device)  # left-padded
+        attention_mask = (torch.arange(width, device=self.device)[None, :] >= width - torch.tensor(
+            [len(p) for p in prompt_ids], device=self.device)[:, None]).long()
+        torch.manual_seed(seeds[0])
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=attention_mask, do_sample=True,
+                                      temperature=self.gen.temperature, top_p=self.gen.top_p, top_k=self.gen.top_k,
+                                      max_new_tokens=self.gen.max_new_tokens, pad_token_id=pad,
+                                      output_scores=True, return_dict_in_generate=True,
+                                      synced_gpus=dist.get_world_size() > 1)  # FSDP: all ranks step together
+        self.model.train(was_training)
+        self.model.reshard()  # as after any no-grad forward
+        new = out.sequences[:, width:]  # [B, new]
+        logprobs = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        eos = torch.tensor(self.model.generation_config.eos_token_id, device=self.device).view(-1)
+        is_eos = torch.isin(new, eos)
+        # length = through the first EOS (inclusive), else everything
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
+        return [(new[i, :n].tolist(), logprobs[i, :n].cpu()) for i, n in enumerate(lengths.tolist())]
+
+    def refit(self, model) -> None:
+        pass  # generates with the training weights themselves
+
+    def close(self) -> None:
+        pass
+
+
+# ======================================================================================================
+# Rollout
+# ======================================================================================================
+
+
+@dataclass
+class RolloutBatch:
+    """One rank's samples for one step; everything after generation reads this. B samples, T tokens."""
+    input_ids: torch.Tensor            # [B, T] prompt + completion, right-padded
+    token_mask: torch.Tensor           # [B, T] 1.0 on generated tokens (EOS included), 0 on prompt and padding
+    generation_logprobs: torch.Tensor  # [B, T] engine's logprobs of the sampled tokens, 0 where masked
+    rewards: torch.Tensor              # [B]
+    advantages: torch.Tensor           # [B], broadcast over tokens in the loss
+    first_completion: int              # smallest prompt length: logprobs are needed from here on
+    prompts: list[str]
+    completions: list[str]
+
+
+def sample_seeds(base: int, step: int, start: int, n: int, total: int) -> list[int]:
+    """Distinct per-sample seeds within a step (identical on every rank that computes the same sample)."""
+    return [(base * 1_000_003 + step * total + start + i) % 2**31 for i in range(n)]
+
+
+def pack_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], completion_logprobs: list[torch.Tensor],
+               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt + completion, right-padded -> input_ids [B, T], token_mask [B, T], generation_logprobs [B, T].
+    The mask comes from the lengths, never from comparing with pad_id: a generated EOS is trained even when
+    pad_token_id == eos_token_id (SmolLM2, many others)."""
+    B, T = len(prompt_ids), max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    token_mask = torch.zeros(B, T)
+    generation_logprobs = torch.zeros(B, T)
+    for i, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, completion_logprobs)):
+        input_ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        token_mask[i, len(p):len(p) + len(c)] = 1.0
+        generation_logprobs[i, len(p):len(p) + len(c)] = lp
+    return input_ids, token_mask, generation_logprobs
+
+
+def rollout(engine, rows: list[dict], tokenizer, reward_fn, cfg: Config, seeds: list[int],
+            repeats: int, device) -> RolloutBatch:
+    """Repeat each prompt, generate, score, compute advantages and pack one right-padded batch."""
+    rows = [r for r in rows for _ in range(repeats)]
+    prompt_ids = [r["prompt_ids"] for r in rows]
+    results = engine.generate(prompt_ids, seeds)
+    completion_ids = [ids for ids, _ in results]
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    rewards = torch.tensor([float(reward_fn(r["prompt"], c, r["answer"])) for r, c in zip(rows, completions)])
+    input_ids, token_mask, generation_logprobs = pack_batch(prompt_ids, completion_ids, [lp for _, lp in results],
+                                                            tokenizer.pad_token_id)
+    g = cfg.grpo
+    advantages = compute_advantages(rewards, repeats, g.use_leave_one_out_baseline, g.normalize_rewards)
+    return RolloutBatch(input_ids.to(device), token_mask.to(device), generation_logprobs.to(device),
+                        rewards, advantages.to(device), min(map(len, prompt_ids)),
+                        [r["prompt"] for r in rows], completions)
+
+
+# ======================================================================================================
+# Advantages and loss
+# ======================================================================================================
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, leave_one_out: bool, normalize: bool) -> torch.Tensor:
+    """Reward minus the group's baseline (mean, or mean of the others); optionally / group std.
+    Groups with zero std keep the unnormalized advantage; a group of one gets 0."""
+    r = rewards.view(-1, group_size)  # [prompts, generations]
+    if group_size == 1:
+        return torch.zeros_like(rewards)
+    if leave_one_out:
+        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    else:
+        baseline = r.mean(1, keepdim=True)
+    advantages = r - baseline
+    if normalize:
+        std = r.std(1, keepdim=True)
+        advantages = torch.where(std > 0, advantages / std.clamp(min=1e-12), advantages)
+    return advantages.view(-1)
+
+
+def clipped_pg_loss(logprobs, prev_logprobs, advantages, token_mask, ref_logprobs, cfg: LossConfig,
+                    normalizer: float) -> tuple[torch.Tensor, dict]:
+    """Clipped policy gradient (+ dual clip) + k3 KL to the reference, summed over valid tokens and divided by
+    `normalizer`: the valid tokens (or sequences) of the whole global batch, across ranks and micro-batches.
+    Shapes: logprobs, prev_logprobs, token_mask, ref_logprobs [B, T]; advantages [B]."""
+    A = advantages.unsqueeze(1)  # [B, 1]
+    ratio = torch.exp(logprobs - prev_logprobs)
+    unclipped = -A * ratio
+    clipped = -A * ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+    per_token = torch.maximum(unclipped, clipped)
+    if cfg.ratio_clip_c is not None:  # dual clip: bound the loss of negative advantages with large ratios
+        per_token = torch.where(A < 0, torch.minimum(per_token, -A * cfg.ratio_clip_c), per_token)
+    kl = torch.zeros_like(per_token)
+    if cfg.reference_policy_kl_penalty > 0:
+        log_ratio = ref_logprobs - logprobs
+        kl = torch.exp(log_ratio) - log_ratio - 1  # k3: unbiased, always >= 0
+        per_token = per_token + cfg.reference_policy_kl_penalty * kl
+    if cfg.token_level_loss:
+        loss = (per_token * token_mask).sum() / normalizer
+    else:  # sequence-level: mean over each sequence's tokens, then sum / number of sequences
+        loss = ((per_token * token_mask).sum(1) / token_mask.sum(1).clamp(min=1)).sum() / normalizer
+    with torch.no_grad():
+        metrics = {"kl_sum": (kl * token_mask).sum().item(),
+                   "clipped_tokens": ((unclipped < clipped).float() * token_mask).sum().item(),
+                   "tokens": token_mask.sum().item()}
+    return loss, metrics
+
+
+# ======================================================================================================
+# Train step
+# ======================================================================================================
+
+
+def batched_logprobs(model, batch: RolloutBatch, batch_size: int, cfg: Config) -> torch.Tensor:
+    """No-grad logprobs of the whole rollout in slices of `batch_size` samples: [B, T]."""
+    with torch.no_grad():
+        logprobs = torch.cat([policy_logprobs(model, batch.input_ids[i:i + batch_size], batch.first_completion,
+                                              cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size)
+                              for i in range(0, len(batch.rewards), batch_size)])
+    model.reshard()  # FSDP2 keeps the root's parameters gathered after a forward, awaiting a backward that won't come
+    return logprobs
+
+
+def train_step(model, optimizer, scheduler, batch: RolloutBatch, prev_logprobs, ref_logprobs, cfg: Config,
+               device) -> dict:
+    """One or more optimizer updates over the rollout, each over a global batch of train_global_batch_size
+    samples accumulated in micro-batches. Update k takes every n_updates-th sample starting at k: ranks hold
+    contiguous slices whose length is a multiple of n_updates, so the global batches are the same whatever the
+    world size. Returns metrics reduced over all ranks."""
+    world = dist.get_world_size()
+    n_updates = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // cfg.policy.train_global_batch_size
+    mbs = cfg.policy.train_micro_batch_size
+    temperature, chunk = cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size
+    totals = defaultdict(float)
+    grad_norms = []
+    for k in range(n_updates):
+        rows = torch.arange(k, len(batch.rewards), n_updates, device=device)
+        mask = batch.token_mask[rows]
+        local_count = mask.sum().item() if cfg.loss_fn.token_level_loss else float(len(rows))
+        (normalizer,) = all_reduce_sum([local_count], device)
+        for start in range(0, len(rows), mbs):
+            m = rows[start:start + mbs]
+            width = int(batch.token_mask[m].sum(0).nonzero().max().item()) + 1  # trim right padding
+            model.set_requires_gradient_sync(start + mbs >= len(rows))  # reduce-scatter once, after the last
+            logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.first_completion, temperature, chunk)
+            loss, metrics = clipped_pg_loss(logprobs, prev_logprobs[m, :width], batch.advantages[m],
+                                            batch.token_mask[m, :width],
+                                            None if ref_logprobs is None else ref_logprobs[m, :width],
+                                            cfg.loss_fn, max(normalizer, 1.0))
+            # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
+            (loss * world).backward()
+            totals["loss"] += loss.item()
+            for key, value in metrics.items():
+                totals[key] += value
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.policy.max_grad_norm)
+        grad_norms.append(grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    loss, kl_sum, clipped, tokens = all_reduce_sum([totals["loss"], totals["kl_sum"], totals["clipped_tokens"],
+                                                    totals["tokens"]], device)
+    return {"loss": loss / n_updates, "grad_norm": float(np.mean(grad_norms)), "kl": kl_sum / max(tokens, 1),
+            "clip_fraction": clipped / max(tokens, 1), "lr": scheduler.get_last_lr()[0]}
+
+
+# ======================================================================================================
+# Validation
+# ======================================================================================================
+
+
+def validate(engine, val_rows: list[dict], tokenizer, reward_fn, cfg: Config, step: int, device) -> dict:
+    """Mean reward (accuracy) and generated length on this rank's share of the validation set, reduced."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = val_rows[:len(val_rows) // world * world][rank::world]  # equal shares: ranks generate in lockstep
+    rewards, lengths = [], []
+    for i in range(0, len(mine), cfg.grpo.val_batch_size):
+        chunk = mine[i:i + cfg.grpo.val_batch_size]
+        seeds = sample_seeds(cfg.grpo.seed + 1, step, rank * len(mine) + i, len(chunk), len(val_rows))
+        b = rollout(engine, chunk, tokenizer, reward_fn, cfg, seeds, 1, device)
+        rewards += b.rewards.tolist()
+        lengths += b.token_mask.sum(1).tolist()
+    total_reward, total_len, n = all_reduce_sum([sum(rewards), sum(lengths), len(rewards)], device)
+    return {"accuracy": total_reward / max(n, 1), "avg_length": total_len / max(n, 1), "samples": n}
+
+
+# ======================================================================================================
+# Logging
+# ======================================================================================================
+
+
+class Timer:
+    """Named wall-clock sections, summed within a step, like the seed's Timer."""
+
+    def __init__(self):
+        self.times: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.times[name] += time.perf_counter() - start
+
+
+class Logger:
+    """metrics.jsonl always; wandb and TensorBoard when enabled (imported only then). Only rank 0 writes."""
+
+    def __init__(self, cfg: Config):
+        self.enabled = dist.get_rank() == 0
+        self.dir = cfg.logger.log_dir
+        self.wandb = self.tb = None
+        if not self.enabled:
+            return
+        os.makedirs(self.dir, exist_ok=True)
+        if cfg.logger.wandb_enabled:
+            import wandb
+            self.wandb = wandb.init(project=cfg.logger.wandb_project, name=cfg.logger.wandb_name,
+                                    config=dataclasses.asdict(cfg), dir=self.dir)
+        if cfg.logger.tensorboard_enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+    def write_samples(self, filename: str, records: list[dict]) -> None:
+        if self.enabled:
+            with open(os.path.join(self.dir, filename), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+
+    def close(self) -> None:
+        if self.wandb:
+            self.wandb.finish()
+        if self.tb:
+            self.tb.close()
+
+
+def gather_samples(batch: RolloutBatch, prev_logprobs: torch.Tensor) -> list[dict]:
+    """Every rank's samples of this step, on rank 0 (None elsewhere)."""
+    mine = [{"prompt": p, "completion": c, "reward": r, "advantage": a, "generation_logprobs": g[m > 0].tolist(),
+             "prev_logprobs": lp[m > 0].tolist()}
+            for p, c, r, a, g, lp, m in zip(batch.prompts, batch.completions, batch.rewards.tolist(),
+                                            batch.advantages.tolist(), batch.generation_logprobs.cpu(),
+                                            prev_logprobs.cpu(), batch.token_mask.cpu())]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, out, dst=0)
+    return [s for part in out for s in part] if out else []
+
+
+def print_step(step: int, max_steps: int, metrics: dict, samples: list[dict], n_print: int) -> None:
+    t = {k.removeprefix("timing/train/"): v for k, v in metrics.items() if k.startswith("timing/train/")}
+    total = t.pop("total_step_time")
+    print0(f"step {step}/{max_steps} | reward {metrics['train/reward']:.4f} | loss {metrics['train/loss']:.4f} "
+           f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} "
+           f"| gen_len {metrics['train/mean_gen_tokens']:.1f} | {total:.2f}s ("
+           + ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
+           + ")")
+    for s in samples[:n_print]:
+        print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> {s['completion']!r}")
+
+
+# ======================================================================================================
+# Main
+# ======================================================================================================
+
+
+def main(argv: list[str]) -> None:
+    try:  # bad config exits here, in seconds, before any model loads
+        cfg = load_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    d = setup_distributed()
+    g = cfg.grpo
+    model_path = resolve_model_path(cfg)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        train_rows, val_rows = load_datasets(cfg)
+    except ConfigError as e:
+        print0(f"config error: {e}")
+        sys.exit(2)
+    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
+    val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
+    print0(f"data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation")
+    reward_fn = get_reward_fn(cfg)
+
+    # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
+    engine = VllmEngine(model_path, cfg) if cfg.policy.generation.backend == "vllm" else None
+    seed_everything(g.seed)
+    policy = load_policy(model_path, cfg, d.device, trainable=True)
+    reference = load_policy(model_path, cfg, d.device, trainable=False) \
+        if cfg.loss_fn.reference_policy_kl_penalty > 0 else None
+    engine = engine or HFEngine(policy, tokenizer, cfg, d.device)
+    optimizer, scheduler = make_optimizer(policy, cfg.policy.optimizer)
+    logger = Logger(cfg)
+    sampler = Sampler(len(train_rows), g.seed, cfg.data.shuffle)
+    per_rank = g.num_prompts_per_step // d.world_size
+    samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
+    print0(f"model {cfg.policy.model_name}, {d.world_size} rank(s) on {d.device.type}, backend "
+           f"{cfg.policy.generation.backend}, {samples_per_step} samples per step")
+
+    stale = False  # the engine loaded the same checkpoint as the policy
+    if g.val_at_start:
+        val = validate(engine, val_rows, tokenizer, reward_fn, cfg, 0, d.device)
+        print0(f"validation at start: accuracy {val['accuracy']:.4f}")
+        logger.log(0, {f"validation/{k}": v for k, v in val.items()})
+    for step in range(1, g.max_num_steps + 1):
+        timer = Timer()
+        with timer("total_step_time"):
+            indices = sampler.next_indices(g.num_prompts_per_step)[d.rank * per_rank:(d.rank + 1) * per_rank]
+            with timer("prepare_for_generation"):
+                if stale:
+                    engine.refit(policy)
+                    stale = False
+            with timer("generation"):
+                seeds = sample_seeds(g.seed, step, d.rank * per_rank * g.num_generations_per_prompt,
+                                     per_rank * g.num_generations_per_prompt, samples_per_step)
+                batch = rollout(engine, [train_rows[i] for i in indices], tokenizer, reward_fn, cfg, seeds,
+                                g.num_generations_per_prompt, d.device)
+            with timer("policy_and_reference_logprobs"):
+                prev_logprobs = batched_logprobs(policy, batch, cfg.policy.logprob_batch_size, cfg)
+                ref_logprobs = batched_logprobs(reference, batch, cfg.policy.logprob_batch_size, cfg) \
+                    if reference is not None else None
+            with timer("policy_training"):
+                train_metrics = train_step(policy, optimizer, scheduler, batch, prev_logprobs, ref_logprobs, cfg,
+                                           d.device)
+                stale = True
+            val = None
+            if (g.val_period > 0 and step % g.val_period == 0) or step == g.max_num_steps:
+                with timer("validation"):
+                    if stale:
+                        engine.refit(policy)
+                        stale = False
+                    val = validate(engine, val_rows, tokenizer, reward_fn, cfg, step, d.device)
+        reward_sum, gen_tokens, n = all_reduce_sum(
+            [batch.rewards.sum().item(), batch.token_mask.sum().item(), len(batch.rewards)], d.device)
+        metrics = {f"train/{k}": v for k, v in train_metrics.items()}
+        metrics.update({"train/reward": reward_sum / n, "train/mean_gen_tokens": gen_tokens / n})
+        metrics.update({f"timing/train/{k}": v for k, v in timer.times.items()})
+        if val:
+            metrics.update({f"validation/{k}": v for k, v in val.items()})
+        samples = gather_samples(batch, prev_logprobs)
+        logger.log(step, metrics)
+        logger.write_samples(f"train_data_step{step}.jsonl", samples)
+        print_step(step, g.max_num_steps, metrics, samples, cfg.logger.num_samples_to_print)
+        if val:
+            print0(f"validation at step {step}: accuracy {val['accuracy']:.4f}, avg length {val['avg_length']:.1f}")
+    logger.close()
+    dist.barrier()
+    engine.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

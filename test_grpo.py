@@ -1,0 +1,386 @@
+"""Tests for grpo.py, on CPU, with real components: vLLM's CPU engine, torch.distributed over gloo, FSDP2,
+and the tiny-debug model built locally. Run: python -m pytest -q test_grpo.py
+
+End-to-end checks run grpo.py (or a worker function of this file) in a subprocess, as a user would, under
+plain python and under torchrun. `python test_grpo.py WORKER` runs one of the worker functions below.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import grpo
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = ["policy.model_name=tiny-debug"]
+
+
+def run(args: list[str], ranks: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a command from the repo root; ranks > 0 wraps it in torchrun. The distributed env vars of this
+    process (set by the in-process fixture) are not passed on."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    prefix = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"] if ranks else [sys.executable]
+    return subprocess.run(prefix + args, cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(log_dir) -> list[dict]:
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def last_json_line(out: str) -> dict:
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Advantages and loss: hand-computed values
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_leave_one_out_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    # baseline_i = (sum - r_i) / 3 = [1/3, 2/3, 2/3, 1/3]
+    adv = grpo.compute_advantages(rewards, 4, leave_one_out=True, normalize=False)
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    # divided by the group's (unbiased) std, sqrt(1/3)
+    adv = grpo.compute_advantages(rewards, 4, leave_one_out=True, normalize=True)
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]) / math.sqrt(1 / 3))
+
+
+def test_mean_baseline_zero_std_and_group_of_one():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])  # group 1 has std 0, group 2 std sqrt(1/2)
+    adv = grpo.compute_advantages(rewards, 2, leave_one_out=False, normalize=True)
+    torch.testing.assert_close(adv, torch.tensor([0.0, 0.0, -0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5)]))
+    for loo in (True, False):
+        assert grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.5]), 1, loo, True).abs().sum() == 0
+
+
+def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=None):
+    ratios = torch.tensor([ratios])
+    logprobs = torch.log(ratios)
+    prev = torch.zeros_like(logprobs)
+    mask = torch.ones_like(logprobs) if mask is None else torch.tensor([mask])
+    ref = None if ref_minus_logp is None else logprobs + torch.tensor([ref_minus_logp])
+    # one sample per token so that each token can carry its own advantage
+    return grpo.clipped_pg_loss(logprobs.T, prev.T, torch.tensor(advantages), mask.T, None if ref is None else ref.T,
+                                cfg, normalizer or mask.sum().item())
+
+
+def test_clipping_both_sides():
+    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.0, ratio_clip_min=0.2, ratio_clip_max=0.3)
+    # A>0, r=1.5: max(-1.5, -1.3) = -1.3 | A<0, r=0.5: max(0.5, 0.8) = 0.8
+    # A>0, r=0.5: max(-0.5, -0.8) = -0.5 | A<0, r=1.1: max(1.1, 1.1) = 1.1
+    loss, metrics = _loss([1.5, 0.5, 0.5, 1.1], [1.0, -1.0, 1.0, -1.0], cfg)
+    assert loss.item() == pytest.approx((-1.3 + 0.8 - 0.5 + 1.1) / 4)
+    assert metrics["clipped_tokens"] == 2
+
+
+def test_dual_clip():
+    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.0, ratio_clip_c=3.0)
+    # A=-2, r=5: PPO gives max(10, 2.4) = 10; the dual clip bounds it at -A*c = 6. A>0 is untouched.
+    loss, _ = _loss([5.0, 5.0], [-2.0, 2.0], cfg)
+    assert loss.item() == pytest.approx((6.0 + -2.0 * 1.2) / 2)
+
+
+def test_k3_kl():
+    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.1)
+    d = torch.tensor([0.5, -0.3])  # ref - logp
+    loss, metrics = _loss([1.0, 1.0], [0.0, 0.0], cfg, ref_minus_logp=d.tolist())
+    k3 = torch.exp(d) - d - 1
+    assert loss.item() == pytest.approx(0.1 * k3.mean().item(), rel=1e-5)
+    assert metrics["kl_sum"] == pytest.approx(k3.sum().item(), rel=1e-5)
+
+
+def test_masked_tokens_and_global_normalizer():
+    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.0)
+    # the masked token has a huge ratio and does not count; the normalizer is what the caller says (global)
+    loss, _ = _loss([1.0, 100.0], [1.0, 1.0], cfg, mask=[1.0, 0.0], normalizer=10.0)
+    assert loss.item() == pytest.approx(-1.0 / 10)
+
+
+def test_pack_batch_trains_eos_when_pad_is_eos():
+    eos = pad = 2
+    ids, mask, lps = grpo.pack_batch([[5, 6, 7], [5]], [[9, eos], [8, 9, 9, eos]],
+                                     [torch.tensor([-0.1, -0.2]), torch.tensor([-1.0, -2.0, -3.0, -4.0])], pad)
+    assert ids.tolist() == [[5, 6, 7, 9, eos], [5, 8, 9, 9, eos]]
+    assert mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]  # the EOS is trained although it equals pad
+    assert lps[0, 4].item() == pytest.approx(-0.2) and lps[1, 0].item() == 0.0
+
+
+# ------------------------------------------------------------------------------------------------------
+# Rewards, data, config
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_math_reward():
+    assert grpo.math_reward("", "so \\boxed{72}", "Natalia sold ... #### 72") == 1.0
+    assert grpo.math_reward("", "\\boxed{1} then \\boxed{\\frac{3}{4}}", "0.75") == 1.0
+    assert grpo.math_reward("", "\\boxed{1,000}", "1000") == 1.0
+    assert grpo.math_reward("", "\\boxed{71}", "#### 72") == 0.0
+    assert grpo.math_reward("", "the answer is 72", "72") == 0.0  # no box, no reward
+    assert grpo.extract_boxed("\\boxed{a{b}c} and \\boxed{x") is None  # last one is unbalanced
+    assert grpo.extract_boxed("\\boxed{a{b}c}") == "a{b}c"
+
+
+def test_countdown_reward_and_hostile_inputs():
+    answer = {"numbers": [3, 5, 7], "target": 22}
+    assert grpo.countdown_reward("", "\\boxed{3 * 5 + 7}", answer) == 1.0
+    assert grpo.countdown_reward("", "\\boxed{(7 + 5) / 3 * 5 = 20}", {"numbers": [3, 5, 7, 5], "target": 20}) == 1.0
+    assert grpo.countdown_reward("", "\\boxed{3 * 5 + 7 + 0}", answer) == 0.0  # a number not given
+    assert grpo.countdown_reward("", "\\boxed{3 * 7 + 5}", answer) == 0.0  # wrong value
+    assert grpo.countdown_reward("", "\\boxed{15 + 7}", answer) == 0.0  # numbers not used
+    hostile = ["\\boxed{__import__('os').system('touch /tmp/pwned')}", "\\boxed{9**9**9}",
+               "\\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}", "\\boxed{" + "1+" * 100_000 + "1}",
+               "\\boxed{[x for x in range(10**9)]}", "\\boxed{3 .__class__}", "\\boxed{7 // 0}", "\\boxed{7 / (5 - 5)}",
+               "\\boxed{lambda: 1}", "x" * 1_000_000]
+    start = time.perf_counter()
+    for text in hostile:
+        assert grpo.countdown_reward("", text, answer) == 0.0
+    assert time.perf_counter() - start < 1.0
+    assert not os.path.exists("/tmp/pwned")
+
+
+def test_builtin_tasks_score_their_own_answers():
+    for row in grpo.countdown_task(50, seed=1):
+        numbers, target = row["answer"]["numbers"], row["answer"]["target"]
+        assert str(numbers) in row["prompt"] and str(target) in row["prompt"]
+    row = grpo.arithmetic_task(1, seed=1)[0]
+    assert grpo.math_reward(row["prompt"], f"\\boxed{{{row['answer']}}}", row["answer"]) == 1.0
+    row = grpo.debug_task(1, seed=1)[0]
+    assert grpo.debug_reward(row["prompt"], row["answer"] * 3, row["answer"]) == 1.0
+    assert grpo.debug_reward(row["prompt"], "", row["answer"]) == 0.0
+
+
+def test_sampler_is_resumable_and_covers_each_epoch():
+    a = grpo.Sampler(10, seed=3, shuffle=True)
+    first = a.next_indices(7) + a.next_indices(3)
+    assert sorted(first) == list(range(10))
+    b = grpo.Sampler(10, seed=3, shuffle=True, epoch=a.epoch, offset=a.offset)
+    assert a.next_indices(4) == b.next_indices(4)
+
+
+def test_config_errors_in_process():
+    with pytest.raises(grpo.ConfigError, match="did you mean 'num_prompts_per_step'"):
+        grpo.load_config(["grpo.num_prompts_per_stp=4"])
+    with pytest.raises(grpo.ConfigError, match="policy.optimizer.lr.*expected float"):
+        grpo.load_config(["policy.optimizer.lr=fast"])
+    with pytest.raises(grpo.ConfigError, match="grpo.use_leave_one_out_baseline.*expected bool"):
+        grpo.load_config(["grpo.use_leave_one_out_baseline=3"])
+    with pytest.raises(grpo.ConfigError, match="train_micro_batch_size x world size"):
+        grpo.load_config(TINY + ["policy.train_micro_batch_size=48"], world_size=1)
+    with pytest.raises(grpo.ConfigError, match="divisible by the world size 3"):
+        grpo.load_config(TINY, world_size=3)
+    with pytest.raises(grpo.ConfigError, match="section.key=value"):
+        grpo.load_config(["--fast"])
+    cfg = grpo.load_config(TINY + ["policy.optimizer.lr=1e-4", "grpo.num_prompts_per_step=32"])
+    assert cfg.policy.optimizer.lr == 1e-4  # "1e-4" is a string to PyYAML; accepted for a float
+    assert cfg.grpo.num_prompts_per_step == 32  # the command line beats the tiny-debug preset
+    assert cfg.policy.precision == "float32" and cfg.data.dataset_name == "debug"  # from the preset
+    assert grpo.load_config([]).policy.model_name == "Qwen/Qwen2.5-1.5B-Instruct"  # config.yaml as is
+
+
+def test_bad_key_exits_fast_with_one_line():
+    start = time.perf_counter()
+    result = run(["grpo.py", "grpo.num_prompts_per_stp=4"])
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("config error: unknown config key 'grpo.num_prompts_per_stp' "
+                                     "(did you mean 'num_prompts_per_step'?)")
+    assert elapsed < 10
+    result = run(["grpo.py", "--config", "/nonexistent.yaml"])
+    assert result.returncode == 2 and "config file not found: /nonexistent.yaml" in result.stderr
+
+
+def test_jsonl_dataset_missing_field(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"problem": "1+1", "answer": "#### 2"}\n')
+    cfg = grpo.load_config(TINY + [f"data.dataset_name={path}"])
+    with pytest.raises(grpo.ConfigError, match="has no field 'question'"):
+        grpo.load_datasets(cfg)
+    cfg = grpo.load_config(TINY + [f"data.dataset_name={path}", "data.input_key=problem"])
+    train, val = grpo.load_datasets(cfg)
+    assert train[0]["prompt"] == "1+1" and val[0]["answer"] == "#### 2"
+
+
+# ------------------------------------------------------------------------------------------------------
+# The train step on a real FSDP2 model (in process, world of one)
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dist_world():
+    d = grpo.setup_distributed()
+    yield d
+    torch.distributed.destroy_process_group()
+
+
+def _grad_norm_and_loss(cfg, path, batch):
+    torch.manual_seed(0)
+    model = grpo.load_policy(path, cfg, torch.device("cpu"), trainable=True)
+    optimizer, scheduler = grpo.make_optimizer(model, cfg.policy.optimizer)
+    prev = grpo.batched_logprobs(model, batch, 3, cfg) - 0.05  # off-policy, so that clipping is exercised
+    metrics = grpo.train_step(model, optimizer, scheduler, batch, prev, None, cfg, torch.device("cpu"))
+    return metrics["grad_norm"], metrics["loss"]
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_global_normalization_is_independent_of_micro_batches(dist_world, tmp_path, token_level):
+    """Micro-batches of different lengths give the same loss and gradient as one batch."""
+    path = str(tmp_path / "tiny")
+    grpo.build_tiny_debug(path)
+    g = torch.Generator().manual_seed(0)
+    prompts = [[1, 40, 41, 42], [1, 40], [1, 43, 44], [1, 45, 46, 47, 48], [1, 49], [1, 50, 51, 52]]
+    completions = [torch.randint(5, 90, (n,), generator=g).tolist() for n in (3, 9, 1, 5, 12, 2)]
+    ids, mask, gen_lp = grpo.pack_batch(prompts, completions, [torch.zeros(len(c)) for c in completions], 0)
+    batch = grpo.RolloutBatch(ids, mask, gen_lp, torch.zeros(6), torch.randn(6, generator=g), 2, [""] * 6, [""] * 6)
+    results = []
+    for mbs in (6, 2, 1):
+        cfg = grpo.load_config(TINY + ["grpo.num_prompts_per_step=6", "grpo.num_generations_per_prompt=1",
+                                       "policy.train_global_batch_size=6", f"policy.train_micro_batch_size={mbs}",
+                                       f"loss_fn.token_level_loss={str(token_level).lower()}",
+                                       "policy.optimizer.lr=0"])
+        results.append(_grad_norm_and_loss(cfg, path, batch))
+    for grad_norm, loss in results[1:]:
+        assert grad_norm == pytest.approx(results[0][0], rel=1e-5)
+        assert loss == pytest.approx(results[0][1], rel=1e-5, abs=1e-7)
+    assert results[0][0] > 0
+
+
+def test_prompts_over_budget_are_dropped(tmp_path):
+    path = str(tmp_path / "tiny")
+    grpo.build_tiny_debug(path)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    cfg = grpo.load_config(TINY + ["policy.max_total_sequence_length=60", "policy.generation.max_new_tokens=16"])
+    rows = [{"prompt": "x" * n, "answer": "x"} for n in (5, 20, 200)]
+    kept, dropped = grpo.tokenize_prompts(rows, tokenizer, cfg)
+    assert dropped == 1 and [len(r["prompt"]) for r in kept] == [5, 20]
+    assert tokenizer.decode(kept[0]["prompt_ids"]) == "<|im_start|>user\nxxxxx<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Refit: vLLM's logprobs equal the policy's after new weights go in (1 rank and 2 ranks)
+# ------------------------------------------------------------------------------------------------------
+
+
+def refit_worker():
+    """Train one step with a large learning rate, then compare the engine's sampled-token logprobs with the
+    policy's recomputed ones, before and after the refit. Prints one JSON line on rank 0."""
+    cfg = grpo.load_config(TINY + ["policy.optimizer.lr=0.05"], int(os.environ.get("WORLD_SIZE", "1")))
+    d = grpo.setup_distributed()
+    path = grpo.resolve_model_path(cfg)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = grpo.VllmEngine(path, cfg)
+    policy = grpo.load_policy(path, cfg, d.device, trainable=True)
+    optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=d.rank), tokenizer, cfg)
+    reward = grpo.debug_reward
+
+    def max_diff(step):
+        batch = grpo.rollout(engine, rows, tokenizer, reward, cfg, grpo.sample_seeds(0, step, d.rank * 64, 64, 128),
+                             8, d.device)
+        lp = grpo.batched_logprobs(policy, batch, 16, cfg)
+        diff = ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item()
+        return torch.tensor(diff), batch, lp
+
+    before, batch, lp = max_diff(1)
+    shard = [p.to_local().clone() for p in policy.parameters()]
+    grpo.train_step(policy, optimizer, scheduler, batch, lp, None, cfg, d.device)
+    changed = all(not torch.equal(a, p.to_local()) for a, p in zip(shard, policy.parameters()))
+    stale, _, _ = max_diff(2)
+    start = time.perf_counter()
+    engine.refit(policy)
+    refit_s = time.perf_counter() - start
+    after, batch, _ = max_diff(3)
+    # vLLM returns the EOS it stopped on as the last completion token
+    lengths = batch.token_mask.sum(1).long()
+    last = batch.input_ids.gather(1, (batch.token_mask.cumsum(1).argmax(1, keepdim=True)))
+    stopped = lengths < cfg.policy.generation.max_new_tokens
+    eos_ok = bool((last.squeeze(1)[stopped] == tokenizer.eos_token_id).all()) and bool(stopped.any())
+    stats = torch.stack([before, stale, after])
+    torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX)
+    flags = torch.tensor([float(changed), float(eos_ok)])
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+    grpo.print0(json.dumps({"before": stats[0].item(), "stale": stats[1].item(), "after_refit": stats[2].item(),
+                            "all_shards_changed": bool(flags[0]), "eos_ok": bool(flags[1]), "refit_s": refit_s}))
+    torch.distributed.barrier()
+    engine.close()
+
+
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_refit_logprobs_match_policy(ranks):
+    result = run([__file__, "refit_worker"], ranks=ranks)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = last_json_line(result.stdout)
+    print(f"ranks={ranks or 1}: {r}")
+    assert r["before"] < 1e-4  # same checkpoint in both
+    assert r["stale"] > 1e-2  # the step changed the policy: an engine without refit disagrees
+    assert r["after_refit"] < 1e-4  # fp32, measured ~1e-6
+    assert r["all_shards_changed"]  # every rank's FSDP shard was updated
+    assert r["eos_ok"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# grpo.py end to end
+# ------------------------------------------------------------------------------------------------------
+
+
+METRIC_KEYS = {"step", "train/reward", "train/loss", "train/grad_norm", "train/mean_gen_tokens",
+               "timing/train/total_step_time", "timing/train/generation", "timing/train/policy_training"}
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("one_rank")
+    result = run(["grpo.py"] + TINY + ["grpo.max_num_steps=30", f"logger.log_dir={log_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return log_dir, read_metrics(log_dir), result.stdout
+
+
+def test_vllm_end_to_end_learns(one_rank_run):
+    log_dir, metrics, stdout = one_rank_run
+    assert [m["step"] for m in metrics] == list(range(1, 31))
+    assert all(METRIC_KEYS <= set(m) for m in metrics)
+    assert [m["step"] for m in metrics if "validation/accuracy" in m] == [10, 20, 30]
+    samples = [json.loads(line) for line in open(os.path.join(log_dir, "train_data_step30.jsonl"))]
+    assert len(samples) == 128 and {"prompt", "completion", "reward", "advantage"} <= set(samples[0])
+    assert "step 30/30 | reward" in stdout
+    # seeded; seen here: first 5 steps 0.017, last 5 steps 0.248
+    rewards = [m["train/reward"] for m in metrics]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"mean reward, steps 1-5: {first:.3f}, steps 26-30: {last:.3f}")
+    assert last > first + 0.1
+
+
+def test_torchrun_two_ranks_matches_one_rank(one_rank_run, tmp_path):
+    """Same global batch and seeds: 2 ranks reproduce 1 rank's numbers (global token normalization), and only
+    rank 0 writes."""
+    result = run(["grpo.py"] + TINY + ["grpo.max_num_steps=3", f"logger.log_dir={tmp_path}"], ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = read_metrics(tmp_path)
+    assert [m["step"] for m in two] == [1, 2, 3]  # one line per step: rank 1 wrote nothing
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"] + [f"train_data_step{i}.jsonl" for i in (1, 2, 3)]
+    for a, b in zip(one_rank_run[1][:3], two):
+        for key in ("train/reward", "train/loss", "train/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+
+
+def test_hf_backend_end_to_end(tmp_path):
+    result = run(["grpo.py"] + TINY + ["policy.generation.backend=hf", "grpo.max_num_steps=2",
+                                       "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=32",
+                                       f"logger.log_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [1, 2] and all(METRIC_KEYS <= set(m) for m in metrics)
+    assert math.isfinite(metrics[-1]["train/loss"]) and metrics[-1]["train/grad_norm"] > 0
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
