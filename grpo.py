@@ -456,10 +456,13 @@ DEFAULT_REWARDS = {"debug": debug_reward, "arithmetic": math_reward, "countdown"
 
 
 def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
-    if cfg.env.reward_fn:
-        module, _, name = cfg.env.reward_fn.partition(":")
+    if not cfg.env.reward_fn:
+        return DEFAULT_REWARDS.get(cfg.data.dataset_name, math_reward)
+    module, _, name = cfg.env.reward_fn.partition(":")
+    try:
         return getattr(importlib.import_module(module), name)
-    return DEFAULT_REWARDS.get(cfg.data.dataset_name, math_reward)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"env.reward_fn: cannot load '{cfg.env.reward_fn}' ({e})")
 
 
 def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int) -> list[dict]:
@@ -472,7 +475,11 @@ def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int)
         with open(name) as f:
             records = [json.loads(line) for line in f if line.strip()]
     else:
-        import datasets  # optional extra, only for dataset names
+        try:
+            import datasets  # optional extra, only for dataset names
+        except ImportError:
+            raise ConfigError(f"data: '{name}' is neither a built-in task nor a .jsonl file; loading it from the "
+                              "Hugging Face hub needs `pip install datasets`")
         records = datasets.load_dataset(name, cfg.dataset_config, split=split)
     if len(records) == 0:
         raise ConfigError(f"data: {name} ({split}) is empty")
@@ -485,7 +492,7 @@ def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int)
 def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
     d, g = cfg.data, cfg.grpo
     if d.dataset_name in BUILTIN_TASKS:  # procedural: the template wraps the task's question
-        train = [{**r, "prompt": d.prompt_template.format(r["prompt"])} for r in BUILTIN_TASKS[d.dataset_name](100_000, g.seed)]
+        train = [{**r, "prompt": d.prompt_template.format(r["prompt"])} for r in BUILTIN_TASKS[d.dataset_name](10_000, g.seed)]
         val = [{**r, "prompt": d.prompt_template.format(r["prompt"])}
                for r in BUILTIN_TASKS[d.dataset_name](g.max_val_samples, g.seed + 1)]
         return train, val
@@ -565,15 +572,15 @@ def build_tiny_debug(path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # atomic: a reader never sees half a model
 
 
-def resolve_model_path(cfg: Config) -> str:
+def resolve_model_path(cfg: Config, local_rank: int) -> str:
     """tiny-debug is built once per host (local rank 0) into a temp dir; anything else is a path or hub name."""
     if cfg.policy.model_name != TINY_DEBUG:
         return cfg.policy.model_name
     path = os.path.join(tempfile.gettempdir(), "grpo-tiny-debug-v2")
-    if int(os.environ["LOCAL_RANK"]) == 0 and not os.path.isdir(path):
+    if local_rank == 0 and not os.path.isdir(path):
         build_tiny_debug(path)
     dist.barrier()
     return path
@@ -1007,18 +1014,18 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     d = setup_distributed()
     g = cfg.grpo
-    model_path = resolve_model_path(cfg)
+    model_path = resolve_model_path(cfg, d.local_rank)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    try:
+    try:  # data and reward problems also stop here, before any model loads
         train_rows, val_rows = load_datasets(cfg)
+        reward_fn = get_reward_fn(cfg)
     except ConfigError as e:
-        print0(f"config error: {e}")
+        print0(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
     val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
     print0(f"data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation")
-    reward_fn = get_reward_fn(cfg)
 
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(model_path, cfg) if cfg.policy.generation.backend == "vllm" else None
