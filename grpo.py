@@ -700,7 +700,8 @@ class HFEngine:
     """`generate()` on the FSDP2 policy itself. Slow (every decoding step all-gathers the weights), no refit."""
 
     def __init__(self, model, tokenizer, cfg: Config, device: torch.device):
-        self.model, self.tokenizer, self.gen, self.device = model, tokenizer, cfg.policy.generation, device
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.gen, self.chunk_size = cfg.policy.generation, cfg.policy.logprob_chunk_size
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple[list[int], torch.Tensor]]:
         pad = self.tokenizer.pad_token_id
@@ -712,20 +713,27 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=attention_mask, do_sample=True,
-                                      temperature=self.gen.temperature, top_p=self.gen.top_p, top_k=self.gen.top_k,
-                                      max_new_tokens=self.gen.max_new_tokens, pad_token_id=pad,
-                                      output_scores=True, return_dict_in_generate=True,
-                                      synced_gpus=dist.get_world_size() > 1)  # FSDP: all ranks step together
+            # Every sampling knob explicit: HF fills unset ones from the model's generation_config (e.g. top_k=50,
+            # repetition_penalty), which would make the samples disagree with the trainer's logprobs.
+            sequences = self.model.generate(input_ids=ids, attention_mask=attention_mask, do_sample=True,
+                                            temperature=self.gen.temperature, top_p=self.gen.top_p,
+                                            top_k=self.gen.top_k or 0, repetition_penalty=1.0,
+                                            max_new_tokens=self.gen.max_new_tokens, pad_token_id=pad,
+                                            synced_gpus=dist.get_world_size() > 1)  # FSDP: all ranks step together
         self.model.train(was_training)
-        self.model.reshard()  # as after any no-grad forward
-        new = out.sequences[:, width:]  # [B, new]
-        logprobs = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        eos = torch.tensor(self.model.generation_config.eos_token_id, device=self.device).view(-1)
-        is_eos = torch.isin(new, eos)
+        new = sequences[:, width:]  # [B, new]
+        is_eos = torch.isin(new, torch.tensor(self.model.generation_config.eos_token_id, device=self.device).view(-1))
         # length = through the first EOS (inclusive), else everything
         lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
-        return [(new[i, :n].tolist(), logprobs[i, :n].cpu()) for i, n in enumerate(lengths.tolist())]
+        completions = [new[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
+        # The sampler used these very weights: its logprobs are the policy's at temperature T. Recompute them in
+        # fp32 chunks rather than keeping HF's per-step scores, a [B, new, vocab] tensor.
+        input_ids, _, _ = pack_batch(prompt_ids, completions, [torch.zeros(len(c)) for c in completions], pad)
+        with torch.no_grad():
+            logprobs = policy_logprobs(self.model, input_ids.to(self.device), min(map(len, prompt_ids)),
+                                       self.gen.temperature, self.chunk_size).cpu()
+        self.model.reshard()  # as after any no-grad forward
+        return [(c, logprobs[i, len(p):len(p) + len(c)]) for i, (p, c) in enumerate(zip(prompt_ids, completions))]
 
     def refit(self, model) -> None:
         pass  # generates with the training weights themselves
