@@ -350,7 +350,7 @@ def all_reduce_sum(values: list[float], device) -> list[float]:
 def debug_task(n: int, seed: int) -> list[dict]:
     """Repeat one letter: learnable from random init in a few minutes on a CPU (the tiny-debug task)."""
     rng = np.random.default_rng(seed)
-    return [{"prompt": f"Repeat the letter {c}.", "answer": c} for c in rng.choice(list("abcd"), n)]
+    return [{"prompt": f"Repeat the letter {c}.", "answer": str(c)} for c in rng.choice(list("abcd"), n)]
 
 
 def arithmetic_task(n: int, seed: int) -> list[dict]:
@@ -466,40 +466,41 @@ def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
 
 
 def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int) -> list[dict]:
-    """Builtin task, local JSONL file, or Hugging Face dataset -> [{"prompt", "answer"}]."""
+    """Builtin task (n_builtin rows), local JSONL file, or Hugging Face dataset -> [{"prompt", "answer"}],
+    the prompt wrapped in data.prompt_template."""
     if name in BUILTIN_TASKS:
-        return BUILTIN_TASKS[name](n_builtin, seed)
-    if name.endswith(".jsonl"):
-        if not os.path.isfile(name):
-            raise ConfigError(f"data: file not found: {name}")
-        with open(name) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records, question, answer = BUILTIN_TASKS[name](n_builtin, seed), "prompt", "answer"
     else:
-        try:
-            import datasets  # optional extra, only for dataset names
-        except ImportError:
-            raise ConfigError(f"data: '{name}' is neither a built-in task nor a .jsonl file; loading it from the "
-                              "Hugging Face hub needs `pip install datasets`")
-        records = datasets.load_dataset(name, cfg.dataset_config, split=split)
-    if len(records) == 0:
-        raise ConfigError(f"data: {name} ({split}) is empty")
-    for key in (cfg.input_key, cfg.output_key):
-        if key not in records[0]:
-            raise ConfigError(f"data: {name} has no field '{key}' (fields: {sorted(records[0])})")
-    return [{"prompt": cfg.prompt_template.format(r[cfg.input_key]), "answer": r[cfg.output_key]} for r in records]
+        question, answer = cfg.input_key, cfg.output_key
+        if name.endswith(".jsonl"):
+            if not os.path.isfile(name):
+                raise ConfigError(f"data: file not found: {name}")
+            with open(name) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+        else:
+            try:
+                import datasets  # optional extra, only for dataset names
+            except ImportError:
+                raise ConfigError(f"data: '{name}' is neither a built-in task nor a .jsonl file; loading it from "
+                                  "the Hugging Face hub needs `pip install datasets`")
+            records = datasets.load_dataset(name, cfg.dataset_config, split=split)
+        if len(records) == 0:
+            raise ConfigError(f"data: {name} ({split}) is empty")
+        for key in (question, answer):
+            if key not in records[0]:
+                raise ConfigError(f"data: {name} has no field '{key}' (fields: {sorted(records[0])})")
+    return [{"prompt": cfg.prompt_template.format(r[question]), "answer": r[answer]} for r in records]
 
 
 def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """Train and validation rows. Validation: data.val_dataset_name if set; else a builtin task's other seed,
+    a JSONL file's last max_val_samples rows (held out of training), or a hub dataset's val_split."""
     d, g = cfg.data, cfg.grpo
-    if d.dataset_name in BUILTIN_TASKS:  # procedural: the template wraps the task's question
-        train = [{**r, "prompt": d.prompt_template.format(r["prompt"])} for r in BUILTIN_TASKS[d.dataset_name](10_000, g.seed)]
-        val = [{**r, "prompt": d.prompt_template.format(r["prompt"])}
-               for r in BUILTIN_TASKS[d.dataset_name](g.max_val_samples, g.seed + 1)]
-        return train, val
-    train = load_rows(d.dataset_name, d.split, d, 0, g.seed)
-    if d.val_dataset_name:
-        val = load_rows(d.val_dataset_name, d.val_split, d, g.max_val_samples, g.seed + 1)
-    elif d.dataset_name.endswith(".jsonl"):  # a single file: hold out its last rows for validation
+    train = load_rows(d.dataset_name, d.split, d, 10_000, g.seed)
+    val_name = d.val_dataset_name or (d.dataset_name if d.dataset_name in BUILTIN_TASKS else None)
+    if val_name:
+        val = load_rows(val_name, d.val_split, d, g.max_val_samples, g.seed + 1)
+    elif d.dataset_name.endswith(".jsonl"):
         train, val = train[:-g.max_val_samples] or train, train[-g.max_val_samples:]
     else:
         val = load_rows(d.dataset_name, d.val_split, d, 0, g.seed)

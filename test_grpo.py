@@ -157,6 +157,15 @@ def test_builtin_tasks_score_their_own_answers():
     assert grpo.debug_reward(row["prompt"], "", row["answer"]) == 0.0
 
 
+def test_datasets_use_the_prompt_template():
+    cfg = grpo.load_config(TINY + ["data.dataset_name=arithmetic", "data.val_dataset_name=countdown",
+                                   "data.prompt_template='Q: {} A:'", "grpo.max_val_samples=5"])
+    train, val = grpo.load_datasets(cfg)
+    assert len(train) == 10_000 and len(val) == 5
+    assert train[0]["prompt"].startswith("Q: What is ") and train[0]["prompt"].endswith(" A:")
+    assert val[0]["prompt"].startswith("Q: Using the numbers") and set(val[0]["answer"]) == {"numbers", "target"}
+
+
 def test_sampler_is_resumable_and_covers_each_epoch():
     a = grpo.Sampler(10, seed=3, shuffle=True)
     first = a.next_indices(7) + a.next_indices(3)
