@@ -29,8 +29,11 @@ import gc
 import importlib
 import itertools
 import json
+import math
 import os
 import re
+import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -61,8 +64,12 @@ class GRPOConfig:
     use_leave_one_out_baseline: bool = True
     val_period: int = 10
     val_at_start: bool = False
+    val_at_end: bool = True
     val_batch_size: int = 256
     max_val_samples: int = 256
+    val_num_generations_per_prompt: int = 1
+    val_greedy: bool = False
+    max_consecutive_nonfinite: int = 3
     seed: int = 42
 
 
@@ -141,6 +148,7 @@ class DataConfig:
 @dataclass
 class EnvConfig:
     reward_fn: Optional[str] = None
+    reward_timeout_s: Optional[float] = 10.0
 
 
 @dataclass
@@ -154,6 +162,18 @@ class LoggerConfig:
 
 
 @dataclass
+class CheckpointingConfig:
+    enabled: bool = True
+    checkpoint_dir: Optional[str] = None
+    save_period: int = 10
+    keep_top_k: Optional[int] = 3
+    metric_name: str = "val_reward"
+    higher_is_better: bool = True
+    export_hf_every_save: bool = False
+    allow_config_change: bool = False
+
+
+@dataclass
 class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     loss_fn: LossConfig = field(default_factory=LossConfig)
@@ -161,6 +181,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
 
 
 TINY_DEBUG = "tiny-debug"
@@ -174,6 +195,7 @@ TINY_DEBUG_PRESET = {
                "optimizer": {"lr": 3.0e-3, "weight_decay": 0.0, "warmup_steps": 1},
                "generation": {"max_new_tokens": 16, "vllm_cfg": {"enforce_eager": True}}},
     "data": {"dataset_name": "debug", "prompt_template": "{}"},
+    "env": {"reward_timeout_s": None},
 }
 
 
@@ -272,7 +294,15 @@ def check_config(cfg: Config, world_size: int) -> None:
         (len(p.optimizer.betas) == 2, "policy.optimizer.betas must have two values"),
         (g.num_prompts_per_step > 0 and g.num_generations_per_prompt > 0 and g.max_num_steps > 0,
          "grpo.num_prompts_per_step, grpo.num_generations_per_prompt and grpo.max_num_steps must be > 0"),
-        (g.val_batch_size > 0, "grpo.val_batch_size must be > 0"),
+        (g.val_batch_size > 0 and g.val_num_generations_per_prompt > 0,
+         "grpo.val_batch_size and grpo.val_num_generations_per_prompt must be > 0"),
+        (not (g.val_greedy and g.val_num_generations_per_prompt > 1),
+         "grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1 with it"),
+        (g.max_consecutive_nonfinite > 0, "grpo.max_consecutive_nonfinite must be > 0"),
+        (cfg.env.reward_timeout_s is None or cfg.env.reward_timeout_s > 0, "env.reward_timeout_s must be > 0 or null"),
+        (cfg.checkpointing.save_period > 0, "checkpointing.save_period must be > 0"),
+        (cfg.checkpointing.keep_top_k is None or cfg.checkpointing.keep_top_k > 0,
+         "checkpointing.keep_top_k must be > 0 or null"),
         (cfg.env.reward_fn is None or ":" in cfg.env.reward_fn, "env.reward_fn must be 'module:function' or null"),
     ]
     for ok, message in checks:
@@ -300,6 +330,8 @@ def load_config(argv: list[str], world_size: int = 1) -> Config:
         merged = deep_merge(deep_merge(from_file, TINY_DEBUG_PRESET), overrides)
     cfg = build_dataclass(Config, merged)
     check_config(cfg, world_size)
+    if cfg.checkpointing.checkpoint_dir is None:
+        cfg.checkpointing.checkpoint_dir = os.path.join(cfg.logger.log_dir, "checkpoints")
     return cfg
 
 
@@ -335,6 +367,53 @@ def setup_distributed() -> Dist:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         dist.init_process_group("gloo")
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def stop_all_ranks_on_failure(d: Dist) -> Callable[[], None]:
+    """Without this, an exception on one rank leaves the others blocked in a collective until its timeout
+    (30 min on NCCL). Each rank runs a daemon thread that polls the rendezvous store. The returned function, called
+    in an exception handler, shows this rank's traceback, posts the rank there and exits: every other rank exits
+    within a second, saying which rank failed (and not its own error, if a collective broke first)."""
+    import threading
+    import traceback
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    key = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def exit_if_another_failed():
+        if store.check([key]):
+            print(f"rank {d.rank}: stopping, rank {store.get(key).decode()} failed", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def watch():
+        while True:
+            exit_if_another_failed()
+            time.sleep(0.5)
+
+    def fail():
+        exit_if_another_failed()
+        print(f"rank {d.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        store.set(key, str(d.rank))
+        os._exit(1)
+    if d.world_size > 1:
+        threading.Thread(target=watch, daemon=True).start()
+    return fail
+
+
+class StopRequest:
+    """SIGTERM/SIGINT (SLURM preemption, Ctrl-C) set a flag; the loop finishes its step, saves and exits 0.
+    A second signal acts at once (default handler)."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        self.requested = True
+        print(f"rank {dist.get_rank()}: {signal.Signals(signum).name}: finishing this step, then saving and exiting",
+              file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def print0(*args, **kwargs):
@@ -480,6 +559,64 @@ def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
         raise ConfigError(f"env.reward_fn: cannot load '{cfg.env.reward_fn}' ({e})")
 
 
+def safe_reward(reward_fn, prompt: str, completion: str, answer: Any) -> tuple[float, Optional[str]]:
+    try:
+        return float(reward_fn(prompt, completion, answer)), None
+    except Exception as e:  # a reward bug must not end a days-long run: score 0 and say why
+        return 0.0, f"{type(e).__name__}: {e}"
+
+
+class RewardScorer:
+    """Scores samples with a reward function. One that raises gives 0 with a warning. With env.reward_timeout_s
+    set, rewards run in worker processes, and one that runs past the timeout also gives 0 with a warning (its
+    pool, stuck worker included, is replaced). The run goes on either way."""
+
+    def __init__(self, reward_fn, timeout_s: Optional[float]):
+        self.reward_fn, self.timeout_s = reward_fn, timeout_s
+        self.workers = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        self.pool = self.start_pool() if timeout_s else None
+
+    def start_pool(self):
+        import multiprocessing  # forkserver: workers never fork this process with its engine and collective threads
+        return multiprocessing.get_context("forkserver").Pool(self.workers)
+
+    def __call__(self, rows: list[dict], completions: list[str]) -> list[float]:
+        args = [(self.reward_fn, r["prompt"], c, r["answer"]) for r, c in zip(rows, completions)]
+        if self.pool is None:
+            results = [safe_reward(*a) for a in args]
+        else:
+            import multiprocessing
+            futures, start, results = [self.pool.apply_async(safe_reward, a) for a in args], time.monotonic(), []
+            for i, future in enumerate(futures):
+                deadline = start + self.timeout_s * (i // self.workers + 1)  # its turn on a worker, then the timeout
+                try:
+                    results.append(future.get(timeout=max(0.0, deadline - time.monotonic())))
+                except multiprocessing.TimeoutError:
+                    results.append((0.0, f"no result within env.reward_timeout_s={self.timeout_s}"))
+            if any(error and error.startswith("no result") for _, error in results):
+                self.pool.terminate()
+                self.pool = self.start_pool()
+        errors = [error for _, error in results if error]
+        if errors:
+            print(f"warning (rank {dist.get_rank()}): reward failed on {len(errors)} of {len(results)} samples, "
+                  f"scored 0 ({'; '.join(sorted(set(errors))[:3])})", file=sys.stderr, flush=True)
+        return [reward for reward, _ in results]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+
+
+def parse_json_line(line: str, path: str, number: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"data: {path} line {number} is not valid JSON ({e.msg})")
+    if not isinstance(record, dict):
+        raise ConfigError(f"data: {path} line {number} is not a JSON object")
+    return record
+
+
 def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int) -> list[dict]:
     """Builtin task (n_builtin rows), local JSONL file, or Hugging Face dataset -> [{"prompt", "answer"}],
     the prompt wrapped in data.prompt_template."""
@@ -491,7 +628,7 @@ def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int)
             if not os.path.isfile(name):
                 raise ConfigError(f"data: file not found: {name}")
             with open(name) as f:
-                records = [json.loads(line) for line in f if line.strip()]
+                records = [parse_json_line(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
         else:
             try:
                 import datasets  # optional extra, only for dataset names
@@ -501,9 +638,10 @@ def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int)
             records = datasets.load_dataset(name, cfg.dataset_config, split=split)
         if len(records) == 0:
             raise ConfigError(f"data: {name} ({split}) is empty")
-        for key in (question, answer):
-            if key not in records[0]:
-                raise ConfigError(f"data: {name} has no field '{key}' (fields: {sorted(records[0])})")
+        for i, r in enumerate(records):
+            for key in (question, answer):
+                if key not in r:
+                    raise ConfigError(f"data: {name} row {i + 1} has no field '{key}' (fields: {sorted(r)})")
     return [{"prompt": cfg.prompt_template.format(r[question]), "answer": r[answer]} for r in records]
 
 
@@ -727,7 +865,8 @@ class VllmEngine:
         self.repack_tied_head = not torch.cuda.is_available() and \
             self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
 
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int],
+                 greedy: bool = False) -> list[tuple[list[int], torch.Tensor]]:
         # The ranks of a TP group drive one engine: all pass the group's prompts and seeds, each keeps its own.
         mine = slice(0, len(prompt_ids))
         if self.tp_group is not None:
@@ -737,7 +876,7 @@ class VllmEngine:
             mine = slice(before, before + len(prompt_ids))
             prompt_ids, seeds = [x for p, _ in requests for x in p], [x for _, s in requests for x in s]
         # One SamplingParams per sample: with a seed shared by a prompt's samples, they would all be identical.
-        params = [self.SamplingParams(temperature=self.gen.temperature, top_p=self.gen.top_p,
+        params = [self.SamplingParams(temperature=0.0 if greedy else self.gen.temperature, top_p=self.gen.top_p,
                                       top_k=self.gen.top_k or 0, max_tokens=self.gen.max_new_tokens,
                                       logprobs=0, flat_logprobs=True, seed=s, detokenize=False) for s in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
@@ -801,7 +940,8 @@ class HFEngine:
         self.gen, self.chunk_size = cfg.policy.generation, cfg.policy.logprob_chunk_size
         self.metrics: dict[str, float] = {}
 
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int],
+                 greedy: bool = False) -> list[tuple[list[int], torch.Tensor]]:
         pad = self.tokenizer.pad_token_id
         width = max(map(len, prompt_ids))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=self.device)  # left-padded
@@ -813,7 +953,7 @@ class HFEngine:
         with torch.no_grad():
             # Every sampling knob explicit: HF fills unset ones from the model's generation_config (e.g. top_k=50,
             # repetition_penalty), which would make the samples disagree with the trainer's logprobs.
-            sequences = self.model.generate(input_ids=ids, attention_mask=attention_mask, do_sample=True,
+            sequences = self.model.generate(input_ids=ids, attention_mask=attention_mask, do_sample=not greedy,
                                             temperature=self.gen.temperature, top_p=self.gen.top_p,
                                             top_k=self.gen.top_k or 0, repetition_penalty=1.0,
                                             max_new_tokens=self.gen.max_new_tokens, pad_token_id=pad,
@@ -882,15 +1022,15 @@ def pack_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], com
     return input_ids, token_mask, generation_logprobs
 
 
-def rollout(engine, rows: list[dict], tokenizer, reward_fn, cfg: Config, seeds: list[int],
-            repeats: int, device) -> RolloutBatch:
+def rollout(engine, rows: list[dict], tokenizer, scorer: RewardScorer, cfg: Config, seeds: list[int],
+            repeats: int, device, greedy: bool = False) -> RolloutBatch:
     """Repeat each prompt, generate, score, compute advantages and pack one right-padded batch."""
     rows = [r for r in rows for _ in range(repeats)]
     prompt_ids = [r["prompt_ids"] for r in rows]
-    results = engine.generate(prompt_ids, seeds)
+    results = engine.generate(prompt_ids, seeds, greedy)
     completion_ids = [ids for ids, _ in results]
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    rewards = torch.tensor([float(reward_fn(r["prompt"], c, r["answer"])) for r, c in zip(rows, completions)])
+    rewards = torch.tensor(scorer(rows, completions))
     input_ids, token_mask, generation_logprobs = pack_batch(prompt_ids, completion_ids, [lp for _, lp in results],
                                                             tokenizer.pad_token_id)
     g = cfg.grpo
@@ -997,7 +1137,7 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, prev_logprobs, 
     mbs = cfg.policy.train_micro_batch_size
     temperature, chunk = cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size
     totals = defaultdict(float)
-    grad_norms = []
+    grad_norms, skipped = [], 0
     for k in range(n_updates):
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device)
         mask = batch.token_mask[rows]
@@ -1018,14 +1158,18 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, prev_logprobs, 
             for key, value in metrics.items():
                 totals[key] += value
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.policy.max_grad_norm)
-        grad_norms.append(grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item())
-        optimizer.step()
-        scheduler.step()
+        grad_norm = grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item()
+        grad_norms.append(grad_norm)
+        if math.isfinite(grad_norm):  # the global norm: every rank takes the same decision
+            optimizer.step()
+            scheduler.step()
+        else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights and Adam's moments
+            skipped += 1
         optimizer.zero_grad(set_to_none=True)
     loss, kl_sum, clipped, tokens = all_reduce_sum([totals["loss"], totals["kl_sum"], totals["clipped_tokens"],
                                                     totals["tokens"]], device)
     return {"loss": loss / n_updates, "grad_norm": float(np.mean(grad_norms)), "kl": kl_sum / max(tokens, 1),
-            "clip_fraction": clipped / max(tokens, 1), "lr": scheduler.get_last_lr()[0]}
+            "clip_fraction": clipped / max(tokens, 1), "lr": scheduler.get_last_lr()[0], "skipped_updates": skipped}
 
 
 # ======================================================================================================
@@ -1033,19 +1177,179 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, prev_logprobs, 
 # ======================================================================================================
 
 
-def validate(engine, val_rows: list[dict], tokenizer, reward_fn, cfg: Config, step: int, device) -> dict:
-    """Mean reward (accuracy) and generated length on this rank's share of the validation set, reduced."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def validate(engine, val_rows: list[dict], tokenizer, scorer: RewardScorer, cfg: Config, step: int,
+             device) -> tuple[dict, list[dict]]:
+    """Accuracy (mean reward), pass@k (mean over prompts of the best of k samples: for 0/1 rewards, the share of
+    prompts solved at least once) and generated length on the validation set, greedy or sampled. Returns the
+    metrics, reduced over ranks, and every sample (on rank 0)."""
+    g, rank, world = cfg.grpo, dist.get_rank(), dist.get_world_size()
+    k = g.val_num_generations_per_prompt
     mine = val_rows[:len(val_rows) // world * world][rank::world]  # equal shares: ranks generate in lockstep
-    rewards, lengths = [], []
-    for i in range(0, len(mine), cfg.grpo.val_batch_size):
-        chunk = mine[i:i + cfg.grpo.val_batch_size]
-        seeds = sample_seeds(cfg.grpo.seed + 1, step, rank * len(mine) + i, len(chunk), len(val_rows))
-        b = rollout(engine, chunk, tokenizer, reward_fn, cfg, seeds, 1, device)
-        rewards += b.rewards.tolist()
-        lengths += b.token_mask.sum(1).tolist()
-    total_reward, total_len, n = all_reduce_sum([sum(rewards), sum(lengths), len(rewards)], device)
-    return {"accuracy": total_reward / max(n, 1), "avg_length": total_len / max(n, 1), "samples": n}
+    samples = []
+    for i in range(0, len(mine), g.val_batch_size):
+        chunk = mine[i:i + g.val_batch_size]
+        seeds = sample_seeds(g.seed + 1, step, (rank * len(mine) + i) * k, len(chunk) * k, len(val_rows) * k)
+        b = rollout(engine, chunk, tokenizer, scorer, cfg, seeds, k, device, greedy=g.val_greedy)
+        samples += [{"prompt": p, "completion": c, "reward": r, "tokens": n} for p, c, r, n in
+                    zip(b.prompts, b.completions, b.rewards.tolist(), b.token_mask.sum(1).tolist())]
+    rewards = torch.tensor([s["reward"] for s in samples]).view(-1, k)  # [prompts, k]
+    total, best, tokens, n = all_reduce_sum([rewards.sum().item(), rewards.max(1).values.sum().item(),
+                                             sum(s["tokens"] for s in samples), rewards.numel()], device)
+    metrics = {"accuracy": total / max(n, 1), f"pass@{k}": best * k / max(n, 1), "avg_length": tokens / max(n, 1),
+               "samples": n}
+    return metrics, gather_to_rank0(samples)
+
+
+# ======================================================================================================
+# Checkpointing
+# ======================================================================================================
+# checkpoint_dir/step_N/ holds training_info.json (step, counters, sampler and LR schedule), config.yaml,
+# policy/ (model + optimizer, sharded by torch.distributed.checkpoint: each rank writes its own shard),
+# rng_rank{R}.pt, and hf/ (consolidated safetensors + tokenizer) for the final step. It is written to
+# tmp_step_N and renamed when complete, so a crash mid-save leaves the previous checkpoint as the latest.
+
+# Keys that change the data order or the model: resuming across a change to one of them is refused.
+RESUME_KEYS = ["policy.model_name", "grpo.seed", "grpo.num_prompts_per_step", "data.dataset_name",
+               "data.dataset_config", "data.split", "data.shuffle", "data.input_key", "data.prompt_template",
+               "data.system_prompt", "policy.max_total_sequence_length", "policy.generation.max_new_tokens"]
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    return {k: v for key, value in d.items()
+            for k, v in (flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value}).items()}
+
+
+def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
+    names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+    return {int(n[5:]): os.path.join(checkpoint_dir, n) for n in names if re.fullmatch(r"step_\d+", n)}
+
+
+def find_resume_checkpoint(cfg: Config) -> Optional[str]:
+    """The latest complete checkpoint, after checking that its config fits this run (ConfigError if not).
+    Call on every rank; rank 0 also removes what an interrupted save left behind."""
+    ckpt = cfg.checkpointing
+    if dist.get_rank() == 0 and os.path.isdir(ckpt.checkpoint_dir):
+        for name in os.listdir(ckpt.checkpoint_dir):
+            if name.startswith("tmp_step_"):
+                print(f"removing partial checkpoint {name} (an interrupted save)", flush=True)
+                shutil.rmtree(os.path.join(ckpt.checkpoint_dir, name))
+    dist.barrier()
+    steps = complete_checkpoints(ckpt.checkpoint_dir)
+    if not ckpt.enabled or not steps:
+        return None
+    path = steps[max(steps)]
+    with open(os.path.join(path, "config.yaml")) as f:
+        saved, now = flatten(yaml.safe_load(f)), flatten(dataclasses.asdict(cfg))
+    changed = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in RESUME_KEYS if saved.get(k) != now[k]]
+    if changed and not ckpt.allow_config_change:
+        raise ConfigError(f"{path} was written with a different {changed[0]}, which changes the data order or the "
+                          "model; use another checkpointing.checkpoint_dir, or checkpointing.allow_config_change=true")
+    return path
+
+
+def rng_state() -> dict:
+    import random
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                    gauss], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def export_hf(model, tokenizer, out_dir: str, dtype: torch.dtype, bucket_bytes: float) -> None:
+    """Consolidated Hugging Face safetensors (one file per weight bucket + index), config and tokenizer: loadable
+    by transformers and vLLM by path. Every rank takes part in the gathers; only rank 0 holds full tensors and
+    writes, one bucket at a time."""
+    from safetensors.torch import save_file
+    weight_map, total = {}, 0
+    for i, bucket in enumerate(weight_buckets(model, bucket_bytes)):
+        if dist.get_rank() == 0:
+            tensors = {name: t.to(dtype).contiguous() for name, t in bucket}
+            save_file(tensors, os.path.join(out_dir, f"model-{i:05d}.safetensors"), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, f"model-{i:05d}.safetensors"))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        model.config.dtype = dtype
+        model.config.save_pretrained(out_dir)
+        model.generation_config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+
+def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, tokenizer, export: bool) -> str:
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    ckpt, rank = cfg.checkpointing, dist.get_rank()
+    tmp, final = (os.path.join(ckpt.checkpoint_dir, f"{p}step_{step}") for p in ("tmp_", ""))
+    if rank == 0:
+        os.makedirs(os.path.join(tmp, "hf"), exist_ok=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(policy, optimizer)
+    save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "policy"))
+    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if export:
+        export_hf(policy, tokenizer, os.path.join(tmp, "hf"), getattr(torch, cfg.policy.precision),
+                  cfg.policy.refit_buffer_size_gb * 2**30)
+    dist.barrier()  # every shard is on disk
+    if rank == 0:
+        if not export:
+            os.rmdir(os.path.join(tmp, "hf"))
+        with open(os.path.join(tmp, "training_info.json"), "w") as f:
+            json.dump(info, f, indent=1)
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+        os.rename(tmp, final)  # the checkpoint exists from here on, complete
+        prune_checkpoints(ckpt)
+    dist.barrier()
+    return final
+
+
+def prune_checkpoints(ckpt: CheckpointingConfig) -> None:
+    """Keep the keep_top_k best by metric_name (checkpoints without it rank last), and always the latest."""
+    steps = complete_checkpoints(ckpt.checkpoint_dir)
+    if ckpt.keep_top_k is None:
+        return
+    infos = {}
+    for step, path in steps.items():
+        with open(os.path.join(path, "training_info.json")) as f:
+            infos[step] = json.load(f)
+
+    def rank_key(step):
+        value = infos[step].get(ckpt.metric_name)
+        return (value is not None, (value if ckpt.higher_is_better else -value) if value is not None else 0, step)
+    keep = set(sorted(steps, key=rank_key, reverse=True)[:ckpt.keep_top_k]) | {max(steps)}
+    for step in set(steps) - keep:
+        shutil.rmtree(steps[step])
+
+
+def load_checkpoint(path: str, policy, optimizer, scheduler, sampler: Sampler) -> dict:
+    """Model and optimizer (resharded by DCP to this run's ranks), LR schedule, sampler and RNG state."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optim_state = get_state_dict(policy, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    load(state, checkpoint_id=os.path.join(path, "policy"))
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with open(os.path.join(path, "training_info.json")) as f:
+        info = json.load(f)
+    scheduler.load_state_dict(info["scheduler"])
+    sampler.epoch, sampler.offset = info["sampler"]["epoch"], info["sampler"]["offset"]
+    rng_path = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
+    if os.path.exists(rng_path):  # absent when resuming on more ranks than saved
+        set_rng_state(torch.load(rng_path, weights_only=True))
+    return info
 
 
 # ======================================================================================================
@@ -1107,16 +1411,19 @@ class Logger:
             self.tb.close()
 
 
-def gather_samples(batch: RolloutBatch, prev_logprobs: torch.Tensor) -> list[dict]:
-    """Every rank's samples of this step, on rank 0 (None elsewhere)."""
-    mine = [{"prompt": p, "completion": c, "reward": r, "advantage": a, "generation_logprobs": g[m > 0].tolist(),
+def gather_to_rank0(records: list) -> list:
+    """Every rank's records, concatenated in rank order, on rank 0 ([] elsewhere)."""
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(records, out, dst=0)
+    return [r for part in out for r in part] if out else []
+
+
+def sample_records(batch: RolloutBatch, prev_logprobs: torch.Tensor) -> list[dict]:
+    return [{"prompt": p, "completion": c, "reward": r, "advantage": a, "generation_logprobs": g[m > 0].tolist(),
              "prev_logprobs": lp[m > 0].tolist()}
             for p, c, r, a, g, lp, m in zip(batch.prompts, batch.completions, batch.rewards.tolist(),
                                             batch.advantages.tolist(), batch.generation_logprobs.cpu(),
                                             prev_logprobs.cpu(), batch.token_mask.cpu())]
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, out, dst=0)
-    return [s for part in out for s in part] if out else []
 
 
 def print_step(step: int, max_steps: int, metrics: dict, samples: list[dict], n_print: int) -> None:
@@ -1143,20 +1450,35 @@ def main(argv: list[str]) -> None:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     d = setup_distributed()
-    g = cfg.grpo
+    fail = stop_all_ranks_on_failure(d)
     model_path = resolve_model_path(cfg, d.local_rank)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    try:  # data and reward problems also stop here, before any model loads
+    try:  # data, reward and checkpoint problems also stop here, before any model loads
         train_rows, val_rows = load_datasets(cfg)
         reward_fn = get_reward_fn(cfg)
+        train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
+        val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
+        if not train_rows:
+            raise ConfigError(f"data: no prompt of {cfg.data.dataset_name} fits policy.max_total_sequence_length - "
+                              "policy.generation.max_new_tokens tokens")
+        resume_from = find_resume_checkpoint(cfg)
     except ConfigError as e:
         print0(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
-    val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
     print0(f"data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation")
+    try:
+        train(cfg, d, model_path, tokenizer, train_rows, val_rows, RewardScorer(reward_fn, cfg.env.reward_timeout_s),
+              resume_from)
+    except SystemExit:  # a decision every rank takes together (e.g. too many non-finite steps)
+        raise
+    except BaseException:  # this rank alone: show where, and take the other ranks down with it
+        fail()
 
+
+def train(cfg: Config, d: Dist, model_path: str, tokenizer, train_rows: list[dict], val_rows: list[dict],
+          scorer: RewardScorer, resume_from: Optional[str]) -> None:
+    g, ckpt = cfg.grpo, cfg.checkpointing
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(model_path, cfg) if cfg.policy.generation.backend == "vllm" else None
     seed_everything(g.seed)
@@ -1165,19 +1487,34 @@ def main(argv: list[str]) -> None:
         if cfg.loss_fn.reference_policy_kl_penalty > 0 else None
     engine = engine or HFEngine(policy, tokenizer, cfg, d.device)
     optimizer, scheduler = make_optimizer(policy, cfg.policy.optimizer)
-    logger = Logger(cfg)
     sampler = Sampler(len(train_rows), g.seed, cfg.data.shuffle)
+    info = {"step": 0, "consumed_samples": 0, "val_reward": None, "total_tokens": 0}
+    if resume_from:
+        info = load_checkpoint(resume_from, policy, optimizer, scheduler, sampler)
+        print0(f"resumed from {resume_from} (step {info['step']})")
+    logger = Logger(cfg)
+    stop = StopRequest()
     per_rank = g.num_prompts_per_step // d.world_size
     samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
     print0(f"model {cfg.policy.model_name}, {d.world_size} rank(s) on {d.device.type}, backend "
            f"{cfg.policy.generation.backend}, {samples_per_step} samples per step")
 
-    stale = False  # True once the policy has stepped and the engine still holds the old weights
-    if g.val_at_start:
-        val = validate(engine, val_rows, tokenizer, reward_fn, cfg, 0, d.device)
-        print0(f"validation at start: accuracy {val['accuracy']:.4f}")
-        logger.log(0, {f"validation/{k}": v for k, v in val.items()})
-    for step in range(1, g.max_num_steps + 1):
+    def run_validation(step: int) -> dict:
+        engine.prepare_for_generation(policy, stale)
+        val, samples = validate(engine, val_rows, tokenizer, scorer, cfg, step, d.device)
+        engine.finish_generation()
+        logger.write_samples(f"val_data_step{step}.jsonl", samples)
+        print0(f"validation at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+        for s in samples[:cfg.logger.num_samples_to_print]:
+            print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> {s['completion']!r}")
+        info["val_reward"] = val["accuracy"]
+        return {f"validation/{k}": v for k, v in val.items()}
+
+    stale = resume_from is not None  # the engine loaded the initial weights, not the checkpoint's
+    if g.val_at_start and info["step"] == 0:
+        logger.log(0, run_validation(0))
+    nonfinite_steps = 0
+    for step in range(info["step"] + 1, g.max_num_steps + 1):
         timer = Timer()
         with timer("total_step_time"):
             indices = sampler.next_indices(g.num_prompts_per_step)[d.rank * per_rank:(d.rank + 1) * per_rank]
@@ -1187,7 +1524,7 @@ def main(argv: list[str]) -> None:
             with timer("generation"):
                 seeds = sample_seeds(g.seed, step, d.rank * per_rank * g.num_generations_per_prompt,
                                      per_rank * g.num_generations_per_prompt, samples_per_step)
-                batch = rollout(engine, [train_rows[i] for i in indices], tokenizer, reward_fn, cfg, seeds,
+                batch = rollout(engine, [train_rows[i] for i in indices], tokenizer, scorer, cfg, seeds,
                                 g.num_generations_per_prompt, d.device)
                 engine.finish_generation()
             with timer("policy_and_reference_logprobs"):
@@ -1202,29 +1539,45 @@ def main(argv: list[str]) -> None:
                 train_metrics = train_step(policy, optimizer, scheduler, batch, prev_logprobs, ref_logprobs, cfg,
                                            d.device)
                 stale = True
-            val = None
-            if (g.val_period > 0 and step % g.val_period == 0) or step == g.max_num_steps:
+            (stop_requested,) = all_reduce_sum([float(stop.requested)], d.device)  # a signal may reach one rank
+            last = step == g.max_num_steps
+            val = {}
+            if (g.val_period > 0 and step % g.val_period == 0) or (last and g.val_at_end):
                 with timer("validation"):
-                    engine.prepare_for_generation(policy, stale)
+                    val = run_validation(step)
                     stale = False
-                    val = validate(engine, val_rows, tokenizer, reward_fn, cfg, step, d.device)
-                    engine.finish_generation()
-        reward_sum, gen_tokens, n = all_reduce_sum(
-            [batch.rewards.sum().item(), batch.token_mask.sum().item(), len(batch.rewards)], d.device)
+            reward_sum, gen_tokens, n = all_reduce_sum(
+                [batch.rewards.sum().item(), batch.token_mask.sum().item(), len(batch.rewards)], d.device)
+            info.update(step=step, consumed_samples=info["consumed_samples"] + g.num_prompts_per_step,
+                        total_tokens=info["total_tokens"] + int(gen_tokens), scheduler=scheduler.state_dict(),
+                        sampler={"epoch": sampler.epoch, "offset": sampler.offset})
+            if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop_requested):
+                with timer("checkpointing"):
+                    path = save_checkpoint(cfg, step, info, policy, optimizer, tokenizer,
+                                           export=(last and not stop_requested) or ckpt.export_hf_every_save)
+                print0(f"saved {path}")
         metrics = {f"train/{k}": v for k, v in train_metrics.items()}
         metrics.update({"train/reward": reward_sum / n, "train/mean_gen_tokens": gen_tokens / n, **mismatch,
-                        **engine.metrics})
+                        **engine.metrics, **val})
         engine.metrics.clear()
         metrics.update({f"timing/train/{k}": v for k, v in timer.times.items()})
-        if val:
-            metrics.update({f"validation/{k}": v for k, v in val.items()})
-        samples = gather_samples(batch, prev_logprobs)
+        samples = gather_to_rank0(sample_records(batch, prev_logprobs))
         logger.log(step, metrics)
         logger.write_samples(f"train_data_step{step}.jsonl", samples)
         print_step(step, g.max_num_steps, metrics, samples, cfg.logger.num_samples_to_print)
-        if val:
-            print0(f"validation at step {step}: accuracy {val['accuracy']:.4f}, avg length {val['avg_length']:.1f}")
+        nonfinite_steps = nonfinite_steps + 1 if train_metrics["skipped_updates"] else 0
+        if nonfinite_steps:
+            print0(f"warning: step {step}: non-finite loss or gradient norm, {train_metrics['skipped_updates']} "
+                   f"update(s) skipped ({nonfinite_steps} step(s) in a row)")
+        if nonfinite_steps >= g.max_consecutive_nonfinite:
+            print0(f"error: {nonfinite_steps} steps in a row with non-finite loss or gradients "
+                   f"(grpo.max_consecutive_nonfinite={g.max_consecutive_nonfinite}); stopping", file=sys.stderr)
+            sys.exit(1)
+        if stop_requested:
+            print0(f"stopped by signal after step {step}" + (", checkpoint saved" if ckpt.enabled else ""))
+            break
     logger.close()
+    scorer.close()
     dist.barrier()
     engine.close()
     if dist.is_initialized():

@@ -9,6 +9,8 @@ import gc
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -261,6 +263,55 @@ def test_jsonl_dataset_missing_field(tmp_path):
     cfg = grpo.load_config(TINY + [f"data.dataset_name={path}", "data.input_key=problem"])
     train, val = grpo.load_datasets(cfg)
     assert train[0]["prompt"] == "1+1" and val[0]["answer"] == "#### 2"
+    path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
+    with pytest.raises(grpo.ConfigError, match=f"{path} row 2 has no field 'answer'"):
+        grpo.load_datasets(cfg)
+    path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", \n')
+    with pytest.raises(grpo.ConfigError, match=f"{path} line 2 is not valid JSON"):
+        grpo.load_datasets(cfg)
+    path.write_text("\n")
+    with pytest.raises(grpo.ConfigError, match=f"{path} \\(train\\) is empty"):
+        grpo.load_datasets(cfg)
+
+
+def nan_reward(prompt, completion, answer):
+    return float("nan")
+
+
+def flaky_reward(prompt, completion, answer):
+    """Raises on 'x', hangs on 'sleep', else 1."""
+    if completion == "x":
+        raise ValueError("cannot parse x")
+    if completion == "sleep":
+        time.sleep(60)
+    return 1.0
+
+
+@pytest.mark.parametrize("timeout", [None, 1.0])
+def test_reward_that_raises_or_hangs_scores_zero(dist_world, timeout, capfd):
+    scorer = grpo.RewardScorer(flaky_reward, timeout)
+    rows = [{"prompt": "p", "answer": None}] * 4
+    completions = ["ok", "x", "sleep" if timeout else "ok", "ok"]
+    start = time.perf_counter()
+    assert scorer(rows, completions) == [1.0, 0.0, 0.0 if timeout else 1.0, 1.0]
+    elapsed = time.perf_counter() - start
+    err = capfd.readouterr().err
+    assert "ValueError: cannot parse x" in err and ("reward_timeout_s=1.0" in err) == bool(timeout)
+    assert scorer(rows[:1], ["ok"]) == [1.0]  # a replaced pool works
+    scorer.close()
+    print(f"timeout={timeout}: scored in {elapsed:.2f} s")
+    assert elapsed < 10
+
+
+def test_keep_top_k_and_latest(tmp_path):
+    for step, value in zip(range(1, 6), [0.1, 0.5, None, 0.3, 0.2]):
+        os.makedirs(tmp_path / f"step_{step}")
+        (tmp_path / f"step_{step}" / "training_info.json").write_text(json.dumps({"val_reward": value}))
+    grpo.prune_checkpoints(grpo.CheckpointingConfig(checkpoint_dir=str(tmp_path), keep_top_k=2))
+    assert sorted(os.listdir(tmp_path)) == ["step_2", "step_4", "step_5"]  # the best two, and the latest
+    grpo.prune_checkpoints(grpo.CheckpointingConfig(checkpoint_dir=str(tmp_path), keep_top_k=2,
+                                                    higher_is_better=False))
+    assert sorted(os.listdir(tmp_path)) == ["step_4", "step_5"]  # 0.3 and 0.2 beat 0.5
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -387,7 +438,7 @@ def refit_worker():
     engine.llm.generate = spy
 
     def max_diff(step):
-        batch = grpo.rollout(engine, rows, tokenizer, grpo.debug_reward, cfg,
+        batch = grpo.rollout(engine, rows, tokenizer, grpo.RewardScorer(grpo.debug_reward, None), cfg,
                              grpo.sample_seeds(0, step, d.rank * 64, 64, 128), 8, d.device)
         lp = grpo.batched_logprobs(policy, batch, 16, cfg)
         diff = ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item()
@@ -475,9 +526,16 @@ def test_vllm_end_to_end_learns(one_rank_run):
     assert [m["step"] for m in metrics] == list(range(1, 31))
     assert all(METRIC_KEYS <= set(m) for m in metrics)
     assert [m["step"] for m in metrics if "validation/accuracy" in m] == [10, 20, 30]
+    assert all(m["validation/pass@1"] == m["validation/accuracy"] for m in metrics if "validation/accuracy" in m)
     samples = [json.loads(line) for line in open(os.path.join(log_dir, "train_data_step30.jsonl"))]
     assert len(samples) == 128 and {"prompt", "completion", "reward", "advantage"} <= set(samples[0])
+    val_samples = [json.loads(line) for line in open(os.path.join(log_dir, "val_data_step30.jsonl"))]
+    assert len(val_samples) == 64 and {"prompt", "completion", "reward"} <= set(val_samples[0])
     assert "step 30/30 | reward" in stdout
+    # checkpoints 10, 20, 30 (keep_top_k=3); the last one holds the Hugging Face export
+    assert sorted(os.listdir(log_dir / "checkpoints")) == ["step_10", "step_20", "step_30"]
+    assert {"training_info.json", "config.yaml", "policy", "rng_rank0.pt", "hf"} <= set(
+        os.listdir(log_dir / "checkpoints" / "step_30"))
     # seeded; seen here: first 5 steps 0.017, last 5 steps 0.240
     rewards = [m["train/reward"] for m in metrics]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
@@ -485,17 +543,161 @@ def test_vllm_end_to_end_learns(one_rank_run):
     assert last > first + 0.1
 
 
-def test_torchrun_two_ranks_matches_one_rank(one_rank_run, tmp_path):
+def max_diffs(a: list[dict], b: list[dict]) -> dict:
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    return {k: max(abs(x[k] - y[k]) for x, y in zip(a, b)) for k in ("train/reward", "train/loss")}
+
+
+def test_resume_is_exact_one_rank(one_rank_run, tmp_path):
+    """6 steps, stopped after step 3 and resumed, equal the uninterrupted run's first 6 steps. Then a resume with
+    a different seed is refused, in seconds."""
+    common = TINY + ["checkpointing.save_period=3", f"logger.log_dir={tmp_path}"]
+    for steps in (3, 6):
+        result = run(["grpo.py"] + common + [f"grpo.max_num_steps={steps}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    diffs = max_diffs(one_rank_run[1][:6], read_metrics(tmp_path))
+    print(f"1 rank, resumed after step 3 vs uninterrupted, max |diff| over steps 1-6: {diffs}")
+    assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
+    start = time.perf_counter()
+    result = run(["grpo.py"] + common + ["grpo.max_num_steps=9", "grpo.seed=7"])
+    assert result.returncode == 2 and time.perf_counter() - start < 20
+    assert "different grpo.seed: 42 -> 7" in result.stderr and "allow_config_change" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """2 ranks: 6 steps uninterrupted, and 3 steps then resumed to 6 (greedy validation in both)."""
+    dirs = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("resumed")
+    for log_dir, steps in ((dirs[0], 6), (dirs[1], 3), (dirs[1], 6)):
+        result = run(["grpo.py"] + TINY + [f"grpo.max_num_steps={steps}", "checkpointing.save_period=3",
+                                           "grpo.val_greedy=true", f"logger.log_dir={log_dir}"], ranks=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return dirs
+
+
+def test_torchrun_two_ranks_matches_one_rank(one_rank_run, two_rank_runs):
     """Same global batch and seeds: 2 ranks reproduce 1 rank's numbers (global token normalization), and only
     rank 0 writes."""
-    result = run(["grpo.py"] + TINY + ["grpo.max_num_steps=3", f"logger.log_dir={tmp_path}"], ranks=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    two = read_metrics(tmp_path)
-    assert [m["step"] for m in two] == [1, 2, 3]  # one line per step: rank 1 wrote nothing
-    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"] + [f"train_data_step{i}.jsonl" for i in (1, 2, 3)]
-    for a, b in zip(one_rank_run[1][:3], two):
+    two = read_metrics(two_rank_runs[0])
+    assert [m["step"] for m in two] == list(range(1, 7))  # one line per step: rank 1 wrote nothing
+    assert sorted(os.listdir(two_rank_runs[0])) == (["checkpoints", "metrics.jsonl"] +
+                                                    [f"train_data_step{i}.jsonl" for i in range(1, 7)] +
+                                                    ["val_data_step6.jsonl"])
+    for a, b in zip(one_rank_run[1][:6], two):
         for key in ("train/reward", "train/loss", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+
+
+def test_resume_is_exact_two_ranks(two_rank_runs):
+    diffs = max_diffs(read_metrics(two_rank_runs[0]), read_metrics(two_rank_runs[1]))
+    print(f"2 ranks, resumed after step 3 vs uninterrupted, max |diff| over steps 1-6: {diffs}")
+    assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
+    # both ranks saved their RNG state; greedy validation: one completion per distinct prompt
+    assert {"rng_rank0.pt", "rng_rank1.pt"} <= set(os.listdir(two_rank_runs[1] / "checkpoints" / "step_6"))
+    by_prompt = {}
+    for line in open(two_rank_runs[1] / "val_data_step6.jsonl"):
+        sample = json.loads(line)
+        by_prompt.setdefault(sample["prompt"], set()).add(sample["completion"])
+    assert len(by_prompt) == 4 and all(len(c) == 1 for c in by_prompt.values())
+
+
+def test_export_loads_in_transformers_and_matches_the_policy(one_rank_run, dist_world):
+    """The final step's export gives the same logits as the trained policy restored from its DCP checkpoint."""
+    from transformers import AutoModelForCausalLM
+    checkpoint = one_rank_run[0] / "checkpoints" / "step_30"
+    cfg = grpo.load_config(TINY)
+    path = grpo.resolve_model_path(cfg, 0)
+    policy = grpo.load_policy(path, cfg, torch.device("cpu"), trainable=True)
+    optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    info = grpo.load_checkpoint(str(checkpoint), policy, optimizer, scheduler, grpo.Sampler(10, 0, True))
+    exported = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
+    ids = torch.randint(0, 100, (4, 20))
+    with torch.no_grad():
+        diff = (policy(input_ids=ids).logits - exported(input_ids=ids).logits).abs().max().item()
+        initial = AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits
+        moved = (exported(input_ids=ids).logits - initial).abs().max().item()
+    policy.reshard()
+    print(f"export vs restored policy: max |logit diff| {diff:.2e} (vs the initial model: {moved:.2f})")
+    assert info["step"] == 30 and diff < 1e-5 and moved > 0.1
+
+
+def test_kill_during_save_then_sigterm_then_resume(tmp_path):
+    """kill -9 during a checkpoint save leaves the previous one intact; the next start removes the partial one and
+    resumes. SIGTERM finishes the step, saves and exits 0; a last start resumes from there."""
+    common = ["grpo.py"] + TINY + ["checkpointing.save_period=1", "checkpointing.export_hf_every_save=true",
+                                   "grpo.val_period=0", "grpo.max_num_steps=40", f"logger.log_dir={tmp_path}"]
+    ckpt_dir = tmp_path / "checkpoints"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                            "MASTER_ADDR", "MASTER_PORT")}
+    partial = []
+    for attempt in range(3):  # the kill must land inside a save (a window of ~50 ms); retry if it missed
+        proc = subprocess.Popen([sys.executable] + common, cwd=HERE, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while proc.poll() is None and not partial:
+            names = os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []
+            partial = [n for n in names if n.startswith("tmp_step_") and int(n[9:]) >= 3]
+            time.sleep(0.001)
+        proc.kill()
+        proc.wait()
+        partial = [n for n in os.listdir(ckpt_dir) if n.startswith("tmp_step_")]
+        if partial:
+            break
+    assert partial, "never caught a save in progress"
+    killed_at = int(partial[0][9:])
+    assert f"step_{killed_at - 1}" in os.listdir(ckpt_dir)  # the previous checkpoint is intact
+
+    proc = subprocess.Popen([sys.executable] + common, cwd=HERE, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(f"step {killed_at + 1}/"):
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
+    out = "".join(lines)
+    assert f"removing partial checkpoint tmp_step_{killed_at}" in out
+    assert f"resumed from {ckpt_dir / f'step_{killed_at - 1}'}" in out
+    stopped = int(re.search(r"stopped by signal after step (\d+), checkpoint saved", out).group(1))
+    assert stopped >= killed_at + 1 and not any(n.startswith("tmp_") for n in os.listdir(ckpt_dir))
+    assert max(int(n[5:]) for n in os.listdir(ckpt_dir)) == stopped
+
+    result = run(common[:-2] + [f"grpo.max_num_steps={stopped + 1}", f"logger.log_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {ckpt_dir / f'step_{stopped}'}" in result.stdout
+    assert read_metrics(tmp_path)[-1]["step"] == stopped + 1
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
+    result = run(["grpo.py"] + TINY + ["env.reward_fn=test_grpo:nan_reward", "grpo.max_consecutive_nonfinite=2",
+                                       "grpo.max_num_steps=5", f"logger.log_dir={tmp_path}"])
+    assert result.returncode == 1
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["train/skipped_updates"] == 2 for m in metrics)
+    assert "2 steps in a row with non-finite loss or gradients" in result.stderr
+    assert "warning: step 1: non-finite loss or gradient norm, 2 update(s) skipped" in result.stdout  # 2 per step
+
+
+def test_one_rank_failing_stops_all_ranks_fast(tmp_path):
+    """Rank 0 fails (its metrics file is a directory) while rank 1 goes on into a collective: both exit in
+    seconds, and rank 0's traceback is shown."""
+    os.makedirs(tmp_path / "metrics.jsonl")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                            "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "grpo.py"] + TINY +
+                            ["grpo.max_num_steps=5", f"logger.log_dir={tmp_path}"], cwd=HERE, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    failed_at, err = None, []
+    for line in proc.stderr:
+        err.append(line)
+        if failed_at is None and "rank 0 failed" in line:
+            failed_at = time.perf_counter()
+    assert proc.wait() != 0
+    elapsed = time.perf_counter() - failed_at
+    err = "".join(err)
+    print(f"from rank 0's failure to all ranks' exit: {elapsed:.2f} s")
+    assert "IsADirectoryError" in err and "rank 1: stopping, rank 0 failed" in err
+    assert elapsed < 10
 
 
 def test_tensor_parallel_two_learns_like_one(one_rank_run, tmp_path):
