@@ -17,7 +17,7 @@ model with a character tokenizer and selects the built-in debug task: a preset t
 override.
 
 Sections, in the order data flows: config, distributed setup, data and rewards, model, generation engine,
-rollout, advantages and loss, train step, validation, logging, main.
+rollout, advantages and loss, train step, validation, checkpointing, logging, main.
 """
 from __future__ import annotations
 
@@ -30,14 +30,18 @@ import importlib
 import itertools
 import json
 import math
+import multiprocessing
 import os
+import random
 import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -260,10 +264,25 @@ def build_dataclass(cls, data, prefix: str = ""):
     return cls(**kwargs)
 
 
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    return {k: v for key, value in d.items()
+            for k, v in (flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value}).items()}
+
+
+POSITIVE_KEYS = ["grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "grpo.max_num_steps",
+                 "grpo.val_batch_size", "grpo.val_num_generations_per_prompt", "grpo.max_consecutive_nonfinite",
+                 "policy.refit_buffer_size_gb", "policy.generation.temperature", "checkpointing.save_period",
+                 "policy.generation.vllm_cfg.tensor_parallel_size"]
+POSITIVE_OR_NULL_KEYS = ["loss_fn.truncated_importance_sampling_ratio", "env.reward_timeout_s",
+                         "checkpointing.keep_top_k"]
+
+
 def check_config(cfg: Config, world_size: int) -> None:
     """Values that are each fine but do not fit together. Every message names the key."""
-    g, p, gen = cfg.grpo, cfg.policy, cfg.policy.generation
-    checks = [
+    g, p, gen, loss, values = cfg.grpo, cfg.policy, cfg.policy.generation, cfg.loss_fn, flatten(dataclasses.asdict(cfg))
+    checks = [(values[k] > 0, f"{k} must be > 0") for k in POSITIVE_KEYS] + [
+        (values[k] is None or values[k] > 0, f"{k} must be > 0 or null") for k in POSITIVE_OR_NULL_KEYS] + [
         (gen.backend in ("vllm", "hf"), "policy.generation.backend must be 'vllm' or 'hf'"),
         (p.precision in ("bfloat16", "float32"), "policy.precision must be 'bfloat16' or 'float32'"),
         (g.num_prompts_per_step % world_size == 0,
@@ -277,32 +296,19 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"policy.train_micro_batch_size x world size = {p.train_micro_batch_size * world_size}"),
         (gen.max_new_tokens < p.max_total_sequence_length,
          "policy.generation.max_new_tokens must be smaller than policy.max_total_sequence_length"),
-        (gen.vllm_cfg.tensor_parallel_size > 0 and world_size % gen.vllm_cfg.tensor_parallel_size == 0,
+        (world_size % max(gen.vllm_cfg.tensor_parallel_size, 1) == 0,
          f"policy.generation.vllm_cfg.tensor_parallel_size={gen.vllm_cfg.tensor_parallel_size} must divide the "
          f"world size {world_size}"),
         (gen.vllm_cfg.sleep_level in (0, 1, 2), "policy.generation.vllm_cfg.sleep_level must be 0, 1 or 2"),
-        (p.refit_buffer_size_gb > 0, "policy.refit_buffer_size_gb must be > 0"),
-        (cfg.loss_fn.truncated_importance_sampling_ratio is None or cfg.loss_fn.truncated_importance_sampling_ratio > 0,
-         "loss_fn.truncated_importance_sampling_ratio must be > 0 or null"),
-        (gen.temperature > 0, "policy.generation.temperature must be > 0"),
         (0 < gen.top_p <= 1, "policy.generation.top_p must be in (0, 1]"),
-        (cfg.loss_fn.ratio_clip_c is None or cfg.loss_fn.ratio_clip_c > 1, "loss_fn.ratio_clip_c must be > 1 or null"),
-        (cfg.loss_fn.reference_policy_kl_penalty >= 0, "loss_fn.reference_policy_kl_penalty must be >= 0"),
-        (not (cfg.loss_fn.use_importance_sampling_correction and cfg.loss_fn.use_generation_logprobs_as_prev),
+        (loss.ratio_clip_c is None or loss.ratio_clip_c > 1, "loss_fn.ratio_clip_c must be > 1 or null"),
+        (loss.reference_policy_kl_penalty >= 0, "loss_fn.reference_policy_kl_penalty must be >= 0"),
+        (not (loss.use_importance_sampling_correction and loss.use_generation_logprobs_as_prev),
          "loss_fn.use_importance_sampling_correction needs the trainer's own logprobs: it cannot be combined with "
          "loss_fn.use_generation_logprobs_as_prev"),
         (len(p.optimizer.betas) == 2, "policy.optimizer.betas must have two values"),
-        (g.num_prompts_per_step > 0 and g.num_generations_per_prompt > 0 and g.max_num_steps > 0,
-         "grpo.num_prompts_per_step, grpo.num_generations_per_prompt and grpo.max_num_steps must be > 0"),
-        (g.val_batch_size > 0 and g.val_num_generations_per_prompt > 0,
-         "grpo.val_batch_size and grpo.val_num_generations_per_prompt must be > 0"),
         (not (g.val_greedy and g.val_num_generations_per_prompt > 1),
          "grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1 with it"),
-        (g.max_consecutive_nonfinite > 0, "grpo.max_consecutive_nonfinite must be > 0"),
-        (cfg.env.reward_timeout_s is None or cfg.env.reward_timeout_s > 0, "env.reward_timeout_s must be > 0 or null"),
-        (cfg.checkpointing.save_period > 0, "checkpointing.save_period must be > 0"),
-        (cfg.checkpointing.keep_top_k is None or cfg.checkpointing.keep_top_k > 0,
-         "checkpointing.keep_top_k must be > 0 or null"),
         (cfg.env.reward_fn is None or ":" in cfg.env.reward_fn, "env.reward_fn must be 'module:function' or null"),
     ]
     for ok, message in checks:
@@ -370,43 +376,38 @@ def setup_distributed() -> Dist:
 
 
 def stop_all_ranks_on_failure(d: Dist) -> Callable[[], None]:
-    """Without this, an exception on one rank leaves the others blocked in a collective until its timeout
-    (30 min on NCCL). Each rank runs a daemon thread that polls the rendezvous store. The returned function, called
-    in an exception handler, shows this rank's traceback, posts the rank there and exits: every other rank exits
-    within a second, saying which rank failed (and not its own error, if a collective broke first)."""
-    import threading
-    import traceback
+    """Else an exception on one rank leaves the others blocked in a collective until its timeout (30 min on NCCL).
+    A daemon thread per rank polls the rendezvous store; the returned function, called by a failing rank, shows
+    its traceback and posts its rank there, and every other rank exits within a second, naming it."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     key = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
-    def exit_if_another_failed():
-        if store.check([key]):
-            print(f"rank {d.rank}: stopping, rank {store.get(key).decode()} failed", file=sys.stderr, flush=True)
-            os._exit(1)
-
-    def watch():
-        while True:
-            exit_if_another_failed()
+    def exit_if_another_failed(poll: bool):
+        while not store.check([key]):
+            if not poll:
+                return
             time.sleep(0.5)
+        print(f"rank {d.rank}: stopping, rank {store.get(key).decode()} failed", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def fail():
-        exit_if_another_failed()
+        exit_if_another_failed(poll=False)  # if so, this rank's own error is only a broken collective
         print(f"rank {d.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         store.set(key, str(d.rank))
         os._exit(1)
     if d.world_size > 1:
-        threading.Thread(target=watch, daemon=True).start()
+        threading.Thread(target=exit_if_another_failed, args=(True,), daemon=True).start()
     return fail
 
 
 class StopRequest:
-    """SIGTERM/SIGINT (SLURM preemption, Ctrl-C) set a flag; the loop finishes its step, saves and exits 0.
-    A second signal acts at once (default handler)."""
+    """SIGTERM/SIGINT (SLURM preemption, Ctrl-C) set a flag: the loop finishes its step, saves and exits 0.
+    A second signal acts at once."""
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self.handle)
+        signal.signal(signal.SIGTERM, self.handle)
+        signal.signal(signal.SIGINT, self.handle)
 
     def handle(self, signum, frame):
         self.requested = True
@@ -422,7 +423,6 @@ def print0(*args, **kwargs):
 
 
 def seed_everything(seed: int) -> None:
-    import random
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -568,43 +568,41 @@ def safe_reward(reward_fn, prompt: str, completion: str, answer: Any) -> tuple[f
 
 class RewardScorer:
     """Scores samples with a reward function. One that raises gives 0 with a warning. With env.reward_timeout_s
-    set, rewards run in worker processes, and one that runs past the timeout also gives 0 with a warning (its
-    pool, stuck worker included, is replaced). The run goes on either way."""
+    set, rewards run in worker processes, and one past the timeout also gives 0 with a warning (its pool, stuck
+    worker included, is replaced). The run goes on either way."""
 
     def __init__(self, reward_fn, timeout_s: Optional[float]):
-        self.reward_fn, self.timeout_s = reward_fn, timeout_s
+        self.reward_fn, self.timeout_s, self.pool = reward_fn, timeout_s, None
+        self.timed_out = f"no result within env.reward_timeout_s={timeout_s}"
         self.workers = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        self.pool = self.start_pool() if timeout_s else None
-
-    def start_pool(self):
-        import multiprocessing  # forkserver: workers never fork this process with its engine and collective threads
-        return multiprocessing.get_context("forkserver").Pool(self.workers)
 
     def __call__(self, rows: list[dict], completions: list[str]) -> list[float]:
         args = [(self.reward_fn, r["prompt"], c, r["answer"]) for r, c in zip(rows, completions)]
-        if self.pool is None:
+        if not self.timeout_s:
             results = [safe_reward(*a) for a in args]
-        else:
-            import multiprocessing
-            futures, start, results = [self.pool.apply_async(safe_reward, a) for a in args], time.monotonic(), []
-            for i, future in enumerate(futures):
-                deadline = start + self.timeout_s * (i // self.workers + 1)  # its turn on a worker, then the timeout
-                try:
-                    results.append(future.get(timeout=max(0.0, deadline - time.monotonic())))
-                except multiprocessing.TimeoutError:
-                    results.append((0.0, f"no result within env.reward_timeout_s={self.timeout_s}"))
-            if any(error and error.startswith("no result") for _, error in results):
-                self.pool.terminate()
-                self.pool = self.start_pool()
+        else:  # forkserver: workers never fork this process, with its engine and collective threads
+            self.pool = self.pool or multiprocessing.get_context("forkserver").Pool(self.workers)
+            futures, start = [self.pool.apply_async(safe_reward, a) for a in args], time.monotonic()
+            # sample i's deadline: its turn on a worker, then the timeout
+            results = [self.result(f, start + self.timeout_s * (i // self.workers + 1)) for i, f in enumerate(futures)]
+            if any(error == self.timed_out for _, error in results):
+                self.close()  # a stuck worker may never come back: the next call starts a new pool
         errors = [error for _, error in results if error]
         if errors:
             print(f"warning (rank {dist.get_rank()}): reward failed on {len(errors)} of {len(results)} samples, "
                   f"scored 0 ({'; '.join(sorted(set(errors))[:3])})", file=sys.stderr, flush=True)
         return [reward for reward, _ in results]
 
+    def result(self, future, deadline: float) -> tuple[float, Optional[str]]:
+        try:
+            return future.get(timeout=max(0.0, deadline - time.monotonic()))
+        except multiprocessing.TimeoutError:
+            return 0.0, self.timed_out
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.terminate()
+            self.pool = None
 
 
 def parse_json_line(line: str, path: str, number: int) -> dict:
@@ -973,14 +971,8 @@ class HFEngine:
         self.model.reshard()  # as after any no-grad forward
         return [(c, logprobs[i, len(p):len(p) + len(c)]) for i, (p, c) in enumerate(zip(prompt_ids, completions))]
 
-    def prepare_for_generation(self, model, stale: bool) -> None:
-        pass  # generates with the training weights themselves
-
-    def finish_generation(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    # It generates with the training weights themselves: nothing to wake, refit, put to sleep or shut down.
+    prepare_for_generation = finish_generation = close = staticmethod(lambda *args: None)
 
 
 # ======================================================================================================
@@ -1214,25 +1206,19 @@ RESUME_KEYS = ["policy.model_name", "grpo.seed", "grpo.num_prompts_per_step", "d
                "data.system_prompt", "policy.max_total_sequence_length", "policy.generation.max_new_tokens"]
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    return {k: v for key, value in d.items()
-            for k, v in (flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value}).items()}
-
-
 def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
     names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
     return {int(n[5:]): os.path.join(checkpoint_dir, n) for n in names if re.fullmatch(r"step_\d+", n)}
 
 
 def find_resume_checkpoint(cfg: Config) -> Optional[str]:
-    """The latest complete checkpoint, after checking that its config fits this run (ConfigError if not).
-    Call on every rank; rank 0 also removes what an interrupted save left behind."""
+    """The latest complete checkpoint, if its config fits this run (else ConfigError). Rank 0 first removes what an
+    interrupted save left behind."""
     ckpt = cfg.checkpointing
     if dist.get_rank() == 0 and os.path.isdir(ckpt.checkpoint_dir):
-        for name in os.listdir(ckpt.checkpoint_dir):
-            if name.startswith("tmp_step_"):
-                print(f"removing partial checkpoint {name} (an interrupted save)", flush=True)
-                shutil.rmtree(os.path.join(ckpt.checkpoint_dir, name))
+        for name in [n for n in os.listdir(ckpt.checkpoint_dir) if n.startswith("tmp_step_")]:
+            print(f"removing partial checkpoint {name} (an interrupted save)", flush=True)
+            shutil.rmtree(os.path.join(ckpt.checkpoint_dir, name))
     dist.barrier()
     steps = complete_checkpoints(ckpt.checkpoint_dir)
     if not ckpt.enabled or not steps:
@@ -1247,70 +1233,47 @@ def find_resume_checkpoint(cfg: Config) -> Optional[str]:
     return path
 
 
-def rng_state() -> dict:
-    import random
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
-                                                    gauss], "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    import random
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def export_hf(model, tokenizer, out_dir: str, dtype: torch.dtype, bucket_bytes: float) -> None:
-    """Consolidated Hugging Face safetensors (one file per weight bucket + index), config and tokenizer: loadable
-    by transformers and vLLM by path. Every rank takes part in the gathers; only rank 0 holds full tensors and
-    writes, one bucket at a time."""
+    """Consolidated Hugging Face safetensors (a file per weight bucket + index), config and tokenizer, loadable by
+    transformers and vLLM. All ranks gather; rank 0 alone holds full tensors, one bucket at a time, and writes."""
     from safetensors.torch import save_file
-    weight_map, total = {}, 0
+    weight_map, total, rank0 = {}, 0, dist.get_rank() == 0
     for i, bucket in enumerate(weight_buckets(model, bucket_bytes)):
-        if dist.get_rank() == 0:
-            tensors = {name: t.to(dtype).contiguous() for name, t in bucket}
+        tensors = {name: t.to(dtype).contiguous() for name, t in bucket} if rank0 else {}
+        if rank0:
+            os.makedirs(out_dir, exist_ok=True)
             save_file(tensors, os.path.join(out_dir, f"model-{i:05d}.safetensors"), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(tensors, f"model-{i:05d}.safetensors"))
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-    if dist.get_rank() == 0:
+        weight_map.update(dict.fromkeys(tensors, f"model-{i:05d}.safetensors"))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if rank0:
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
         model.config.dtype = dtype
-        model.config.save_pretrained(out_dir)
-        model.generation_config.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        for part in (model.config, model.generation_config, tokenizer):
+            part.save_pretrained(out_dir)
 
 
 def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, tokenizer, export: bool) -> str:
+    """Every rank writes its shards and RNG state into tmp_step_N; rank 0 adds the rest and renames it."""
     from torch.distributed.checkpoint import save
     from torch.distributed.checkpoint.state_dict import get_state_dict
     ckpt, rank = cfg.checkpointing, dist.get_rank()
-    tmp, final = (os.path.join(ckpt.checkpoint_dir, f"{p}step_{step}") for p in ("tmp_", ""))
-    if rank == 0:
-        os.makedirs(os.path.join(tmp, "hf"), exist_ok=True)
-    dist.barrier()
+    tmp, final = (os.path.join(ckpt.checkpoint_dir, f"{prefix}step_{step}") for prefix in ("tmp_", ""))
     model_state, optim_state = get_state_dict(policy, optimizer)
     save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "policy"))
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    rng = {"python": random.getstate(), "numpy": [x.tolist() if isinstance(x, np.ndarray) else x
+                                                  for x in np.random.get_state()], "torch": torch.get_rng_state()}
+    torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
     if export:
         export_hf(policy, tokenizer, os.path.join(tmp, "hf"), getattr(torch, cfg.policy.precision),
                   cfg.policy.refit_buffer_size_gb * 2**30)
-    dist.barrier()  # every shard is on disk
+    dist.barrier()  # every rank's files are written
     if rank == 0:
-        if not export:
-            os.rmdir(os.path.join(tmp, "hf"))
         with open(os.path.join(tmp, "training_info.json"), "w") as f:
             json.dump(info, f, indent=1)
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
-        os.rename(tmp, final)  # the checkpoint exists from here on, complete
+        os.rename(tmp, final)  # from here on the checkpoint exists, complete
         prune_checkpoints(ckpt)
     dist.barrier()
     return final
@@ -1321,21 +1284,18 @@ def prune_checkpoints(ckpt: CheckpointingConfig) -> None:
     steps = complete_checkpoints(ckpt.checkpoint_dir)
     if ckpt.keep_top_k is None:
         return
-    infos = {}
+    metric = {}
     for step, path in steps.items():
         with open(os.path.join(path, "training_info.json")) as f:
-            infos[step] = json.load(f)
-
-    def rank_key(step):
-        value = infos[step].get(ckpt.metric_name)
-        return (value is not None, (value if ckpt.higher_is_better else -value) if value is not None else 0, step)
-    keep = set(sorted(steps, key=rank_key, reverse=True)[:ckpt.keep_top_k]) | {max(steps)}
+            value = json.load(f).get(ckpt.metric_name)
+        metric[step] = -math.inf if value is None else value if ckpt.higher_is_better else -value
+    keep = set(sorted(steps, key=lambda s: (metric[s], s), reverse=True)[:ckpt.keep_top_k]) | {max(steps)}
     for step in set(steps) - keep:
         shutil.rmtree(steps[step])
 
 
 def load_checkpoint(path: str, policy, optimizer, scheduler, sampler: Sampler) -> dict:
-    """Model and optimizer (resharded by DCP to this run's ranks), LR schedule, sampler and RNG state."""
+    """Model and optimizer (resharded by DCP to this run's ranks), LR schedule, sampler and RNG states."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_state, optim_state = get_state_dict(policy, optimizer)
@@ -1348,7 +1308,10 @@ def load_checkpoint(path: str, policy, optimizer, scheduler, sampler: Sampler) -
     sampler.epoch, sampler.offset = info["sampler"]["epoch"], info["sampler"]["offset"]
     rng_path = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if os.path.exists(rng_path):  # absent when resuming on more ranks than saved
-        set_rng_state(torch.load(rng_path, weights_only=True))
+        rng = torch.load(rng_path, weights_only=True)
+        random.setstate(rng["python"])
+        np.random.set_state(tuple(rng["numpy"]))
+        torch.set_rng_state(rng["torch"])
     return info
 
 
@@ -1426,7 +1389,12 @@ def sample_records(batch: RolloutBatch, prev_logprobs: torch.Tensor) -> list[dic
                                             prev_logprobs.cpu(), batch.token_mask.cpu())]
 
 
-def print_step(step: int, max_steps: int, metrics: dict, samples: list[dict], n_print: int) -> None:
+def print_samples(samples: list[dict], n: int) -> None:
+    for s in samples[:n]:
+        print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> {s['completion']!r}")
+
+
+def print_step(step: int, max_steps: int, metrics: dict) -> None:
     t = {k.removeprefix("timing/train/"): v for k, v in metrics.items() if k.startswith("timing/train/")}
     total = t.pop("total_step_time")
     print0(f"step {step}/{max_steps} | reward {metrics['train/reward']:.4f} | loss {metrics['train/loss']:.4f} "
@@ -1434,8 +1402,6 @@ def print_step(step: int, max_steps: int, metrics: dict, samples: list[dict], n_
            f"| gen_len {metrics['train/mean_gen_tokens']:.1f} | {total:.2f}s ("
            + ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
            + ")")
-    for s in samples[:n_print]:
-        print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> {s['completion']!r}")
 
 
 # ======================================================================================================
@@ -1491,7 +1457,9 @@ def train(cfg: Config, d: Dist, model_path: str, tokenizer, train_rows: list[dic
     info = {"step": 0, "consumed_samples": 0, "val_reward": None, "total_tokens": 0}
     if resume_from:
         info = load_checkpoint(resume_from, policy, optimizer, scheduler, sampler)
-        print0(f"resumed from {resume_from} (step {info['step']})")
+        print0(f"resumed from {resume_from} (step {info['step']})" + (
+            f": grpo.max_num_steps={g.max_num_steps} is reached, nothing to train" if info["step"] >= g.max_num_steps
+            else ""))
     logger = Logger(cfg)
     stop = StopRequest()
     per_rank = g.num_prompts_per_step // d.world_size
@@ -1505,8 +1473,7 @@ def train(cfg: Config, d: Dist, model_path: str, tokenizer, train_rows: list[dic
         engine.finish_generation()
         logger.write_samples(f"val_data_step{step}.jsonl", samples)
         print0(f"validation at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-        for s in samples[:cfg.logger.num_samples_to_print]:
-            print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> {s['completion']!r}")
+        print_samples(samples, cfg.logger.num_samples_to_print)
         info["val_reward"] = val["accuracy"]
         return {f"validation/{k}": v for k, v in val.items()}
 
@@ -1564,12 +1531,13 @@ def train(cfg: Config, d: Dist, model_path: str, tokenizer, train_rows: list[dic
         samples = gather_to_rank0(sample_records(batch, prev_logprobs))
         logger.log(step, metrics)
         logger.write_samples(f"train_data_step{step}.jsonl", samples)
-        print_step(step, g.max_num_steps, metrics, samples, cfg.logger.num_samples_to_print)
+        print_step(step, g.max_num_steps, metrics)
+        print_samples(samples, cfg.logger.num_samples_to_print)
         nonfinite_steps = nonfinite_steps + 1 if train_metrics["skipped_updates"] else 0
         if nonfinite_steps:
             print0(f"warning: step {step}: non-finite loss or gradient norm, {train_metrics['skipped_updates']} "
                    f"update(s) skipped ({nonfinite_steps} step(s) in a row)")
-        if nonfinite_steps >= g.max_consecutive_nonfinite:
+        if nonfinite_steps >= g.max_consecutive_nonfinite:  # every rank sees the same global gradient norm
             print0(f"error: {nonfinite_steps} steps in a row with non-finite loss or gradients "
                    f"(grpo.max_consecutive_nonfinite={g.max_consecutive_nonfinite}); stopping", file=sys.stderr)
             sys.exit(1)
