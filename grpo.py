@@ -1262,7 +1262,8 @@ def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, token
     model_state, optim_state = get_state_dict(policy, optimizer)
     save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "policy"))
     rng = {"python": random.getstate(), "numpy": [x.tolist() if isinstance(x, np.ndarray) else x
-                                                  for x in np.random.get_state()], "torch": torch.get_rng_state()}
+                                                  for x in np.random.get_state()], "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
     if export:
         export_hf(policy, tokenizer, os.path.join(tmp, "hf"), getattr(torch, cfg.policy.precision),
@@ -1312,6 +1313,8 @@ def load_checkpoint(path: str, policy, optimizer, scheduler, sampler: Sampler) -
         random.setstate(rng["python"])
         np.random.set_state(tuple(rng["numpy"]))
         torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
     return info
 
 

@@ -622,6 +622,33 @@ def test_export_loads_in_transformers_and_matches_the_policy(one_rank_run, dist_
     assert info["step"] == 30 and diff < 1e-5 and moved > 0.1
 
 
+def export_vllm_worker():
+    """`python test_grpo.py export_vllm_worker PATH`: vLLM serves the export by path, and its logprobs are those of
+    the same directory loaded by transformers (-> FSDP2). Prints one JSON line."""
+    path = sys.argv[2]
+    cfg = grpo.load_config(TINY)
+    d = grpo.setup_distributed()
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = grpo.VllmEngine(path, cfg)
+    policy = grpo.load_policy(path, cfg, d.device, trainable=False)
+    rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
+    batch = grpo.rollout(engine, rows, tokenizer, grpo.RewardScorer(grpo.debug_reward, None), cfg,
+                         grpo.sample_seeds(0, 1, 0, 64, 64), 8, d.device)
+    lp = grpo.batched_logprobs(policy, batch, 16, cfg)
+    print(json.dumps({"max_diff": ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item(),
+                      "reward": batch.rewards.mean().item()}))
+    engine.close()
+
+
+def test_export_serves_in_vllm(one_rank_run):
+    result = run([__file__, "export_vllm_worker", str(one_rank_run[0] / "checkpoints" / "step_30" / "hf")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = last_json_line(result.stdout)
+    print(f"vLLM on the export vs transformers on the export: {r}")
+    assert r["max_diff"] < 1e-4 and r["reward"] > 0.15  # the trained model (random init: ~0.02)
+
+
 def test_kill_during_save_then_sigterm_then_resume(tmp_path):
     """kill -9 during a checkpoint save leaves the previous one intact; the next start removes the partial one and
     resumes. SIGTERM finishes the step, saves and exits 0; a last start resumes from there."""
@@ -717,13 +744,21 @@ def test_tensor_parallel_two_learns_like_one(one_rank_run, tmp_path):
 
 
 def test_hf_backend_end_to_end(tmp_path):
+    """Also: validation with 4 samples per prompt (pass@4)."""
     result = run(["grpo.py"] + TINY + ["policy.generation.backend=hf", "grpo.max_num_steps=2",
                                        "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=32",
+                                       "grpo.val_num_generations_per_prompt=4", "grpo.max_val_samples=8",
                                        f"logger.log_dir={tmp_path}"])
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2] and all(METRIC_KEYS <= set(m) for m in metrics)
     assert math.isfinite(metrics[-1]["train/loss"]) and metrics[-1]["train/grad_norm"] > 0
+    val = [json.loads(line) for line in open(tmp_path / "val_data_step2.jsonl")]
+    rewards = torch.tensor([s["reward"] for s in val]).view(8, 4)  # prompts in order, 4 samples each
+    assert all(len({s["prompt"] for s in val[i:i + 4]}) == 1 for i in range(0, 32, 4))
+    assert metrics[-1]["validation/pass@4"] == pytest.approx(rewards.max(1).values.mean().item())
+    assert metrics[-1]["validation/accuracy"] == pytest.approx(rewards.mean().item())
+    assert metrics[-1]["validation/pass@4"] > metrics[-1]["validation/accuracy"]
 
 
 if __name__ == "__main__":
