@@ -28,10 +28,13 @@ TINY = ["policy.model_name=tiny-debug"]
 def run(args: list[str], ranks: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run a command from the repo root; ranks > 0 wraps it in torchrun. The distributed env vars of this
     process (set by the in-process fixture) are not passed on."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     prefix = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"] if ranks else [sys.executable]
-    return subprocess.run(prefix + args, cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(prefix + args, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def clean_env() -> dict:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
 
 
 def read_metrics(log_dir) -> list[dict]:
@@ -655,8 +658,7 @@ def test_kill_during_save_then_sigterm_then_resume(tmp_path):
     common = ["grpo.py"] + TINY + ["checkpointing.save_period=1", "checkpointing.export_hf_every_save=true",
                                    "grpo.val_period=0", "grpo.max_num_steps=40", f"logger.log_dir={tmp_path}"]
     ckpt_dir = tmp_path / "checkpoints"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                            "MASTER_ADDR", "MASTER_PORT")}
+    env = clean_env()
     partial = []
     for attempt in range(3):  # the kill must land inside a save (a window of ~50 ms); retry if it missed
         proc = subprocess.Popen([sys.executable] + common, cwd=HERE, env=env, stdout=subprocess.DEVNULL,
@@ -709,8 +711,7 @@ def test_one_rank_failing_stops_all_ranks_fast(tmp_path):
     """Rank 0 fails (its metrics file is a directory) while rank 1 goes on into a collective: both exit in
     seconds, and rank 0's traceback is shown."""
     os.makedirs(tmp_path / "metrics.jsonl")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                            "MASTER_ADDR", "MASTER_PORT")}
+    env = clean_env()
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "grpo.py"] + TINY +
                             ["grpo.max_num_steps=5", f"logger.log_dir={tmp_path}"], cwd=HERE, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
