@@ -580,8 +580,8 @@ class RewardScorer:
         args = [(self.reward_fn, r["prompt"], c, r["answer"]) for r, c in zip(rows, completions)]
         if not self.timeout_s:
             results = [safe_reward(*a) for a in args]
-        else:  # forkserver: workers never fork this process, with its engine and collective threads
-            self.pool = self.pool or multiprocessing.get_context("forkserver").Pool(self.workers)
+        else:
+            self.pool = self.pool or self.start_pool()
             futures, start = [self.pool.apply_async(safe_reward, a) for a in args], time.monotonic()
             # sample i's deadline: its turn on a worker, then the timeout
             results = [self.result(f, start + self.timeout_s * (i // self.workers + 1)) for i, f in enumerate(futures)]
@@ -592,6 +592,13 @@ class RewardScorer:
             print(f"warning (rank {dist.get_rank()}): reward failed on {len(errors)} of {len(results)} samples, "
                   f"scored 0 ({'; '.join(sorted(set(errors))[:3])})", file=sys.stderr, flush=True)
         return [reward for reward, _ in results]
+
+    def start_pool(self):
+        # forkserver: workers are never forked from this process, with its engine and collective threads. The server
+        # imports the reward's module first, so that no worker spends a sample's time limit importing it.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([self.reward_fn.__module__])
+        return context.Pool(self.workers)
 
     def result(self, future, deadline: float) -> tuple[float, Optional[str]]:
         try:

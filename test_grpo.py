@@ -420,9 +420,9 @@ def refit_worker():
     d = grpo.setup_distributed()
     path = grpo.resolve_model_path(cfg, d.local_rank)
     if tied:
-        path = f"{path}-tied-deep"
+        path, tiny = f"{path}-tied-deep", path
         if d.rank == 0 and not os.path.isdir(path):
-            tied_deep_copy(grpo.resolve_model_path(cfg, d.local_rank), path)
+            tied_deep_copy(tiny, path)
         torch.distributed.barrier()
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
