@@ -237,15 +237,10 @@ def coerce(tp, value, key: str):
         if value is None:
             return None
         tp = next(a for a in get_args(tp) if a is not type(None))
-    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
-          str: isinstance(value, str), list: isinstance(value, list), dict: isinstance(value, dict)}
-    if tp is float:
-        if isinstance(value, str):  # PyYAML reads 1e-5 (no dot) as a string
-            with contextlib.suppress(ValueError):
-                value = float(value)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif ok[tp]:
+    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):  # an int, or what PyYAML reads as a string (1e-5: no dot)
+            value = float(value)
+    if isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):  # bool is an int: not for int keys
         return value
     raise ConfigError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} ({value!r})")
 
