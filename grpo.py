@@ -1422,12 +1422,21 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     d = setup_distributed()
     fail = stop_all_ranks_on_failure(d)
+    try:
+        train(cfg, d)
+    except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
+        raise
+    except BaseException:  # this rank alone: show where, and take the other ranks down with it
+        fail()
+
+
+def train(cfg: Config, d: Dist) -> None:
     model_path = resolve_model_path(cfg, d.local_rank)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     try:  # data, reward and checkpoint problems also stop here, before any model loads
         train_rows, val_rows = load_datasets(cfg)
-        reward_fn = get_reward_fn(cfg)
+        scorer = RewardScorer(get_reward_fn(cfg), cfg.env.reward_timeout_s)
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
         val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:
@@ -1438,17 +1447,7 @@ def main(argv: list[str]) -> None:
         print0(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     print0(f"data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation")
-    try:
-        train(cfg, d, model_path, tokenizer, train_rows, val_rows, RewardScorer(reward_fn, cfg.env.reward_timeout_s),
-              resume_from)
-    except SystemExit:  # a decision every rank takes together (e.g. too many non-finite steps)
-        raise
-    except BaseException:  # this rank alone: show where, and take the other ranks down with it
-        fail()
 
-
-def train(cfg: Config, d: Dist, model_path: str, tokenizer, train_rows: list[dict], val_rows: list[dict],
-          scorer: RewardScorer, resume_from: Optional[str]) -> None:
     g, ckpt = cfg.grpo, cfg.checkpointing
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(model_path, cfg) if cfg.policy.generation.backend == "vllm" else None
