@@ -261,8 +261,10 @@ def build_dataclass(cls, data, prefix: str = ""):
 
 def flatten(d: dict, prefix: str = "") -> dict:
     """{"a": {"b": 1}} -> {"a.b": 1}"""
-    return {k: v for key, value in d.items()
-            for k, v in (flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value}).items()}
+    out = {}
+    for key, value in d.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
 
 
 POSITIVE_KEYS = ["grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "grpo.max_num_steps",
@@ -830,7 +832,7 @@ def repack_tied_head(model) -> None:
 
 class VllmEngine:
     """One in-process vLLM engine per tensor-parallel group (external_launcher): ranks [0..k-1], [k..2k-1], ...
-    each run one engine with k shards. Weights are refit in place through reload_weights. On CUDA the engine
+    each run one engine with k shards. New weights are streamed in place from an iterator. On CUDA the engine
     sleeps while FSDP trains (level 1: weights offloaded to CPU, KV cache freed; level 2: both discarded)."""
 
     def __init__(self, path: str, cfg: Config):
