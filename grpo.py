@@ -904,7 +904,7 @@ class VllmEngine:
                 moved += tensor.numel() * self.dtype.itemsize
                 yield name, tensor.to(self.dtype)
 
-        # Always with an iterator: reload_weights without one re-reads the checkpoint and undoes training.
+        # Always with an iterator: without one, vLLM re-reads the checkpoint from disk and undoes training.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
         if self.repack_tied_head:
             self.llm.apply_model(repack_tied_head)
