@@ -372,29 +372,39 @@ def setup_distributed() -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def stop_all_ranks_on_failure(d: Dist) -> Callable[[], None]:
+@contextlib.contextmanager
+def stop_all_ranks_on_failure(d: Dist):
     """Else an exception on one rank leaves the others blocked in a collective until its timeout (30 min on NCCL).
-    A daemon thread per rank polls the rendezvous store; the returned function, called by a failing rank, shows
-    its traceback and posts its rank there, and every other rank exits within a second, naming it."""
+    The failing rank shows its traceback and posts its rank in the rendezvous store; a watcher thread on every rank
+    polls the store and exits within a second, naming it. The watcher is stopped and joined before a normal exit
+    (a thread still inside the store's C++ client at interpreter exit aborts the process)."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    key = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key, done = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", threading.Event()
 
-    def exit_if_another_failed(poll: bool):
-        while not store.check([key]):
-            if not poll:
-                return
-            time.sleep(0.5)
-        print(f"rank {d.rank}: stopping, rank {store.get(key).decode()} failed", file=sys.stderr, flush=True)
-        os._exit(1)
+    def exit_if_another_failed():
+        if store.check([key]):
+            print(f"rank {d.rank}: stopping, rank {store.get(key).decode()} failed", file=sys.stderr, flush=True)
+            os._exit(1)
 
-    def fail():
-        exit_if_another_failed(poll=False)  # if so, this rank's own error is only a broken collective
+    def watch():
+        while not done.wait(0.5):
+            exit_if_another_failed()
+    watcher = threading.Thread(target=watch, daemon=True)
+    if d.world_size > 1:
+        watcher.start()
+    try:
+        yield
+    except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
+        raise
+    except BaseException:  # this rank alone: show where, and take the other ranks down with it
+        exit_if_another_failed()  # if so, this rank's own error is only a broken collective
         print(f"rank {d.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         store.set(key, str(d.rank))
         os._exit(1)
-    if d.world_size > 1:
-        threading.Thread(target=exit_if_another_failed, args=(True,), daemon=True).start()
-    return fail
+    finally:
+        done.set()
+        if watcher.is_alive():
+            watcher.join()
 
 
 class StopRequest:
@@ -1423,13 +1433,8 @@ def main(argv: list[str]) -> None:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     d = setup_distributed()
-    fail = stop_all_ranks_on_failure(d)
-    try:
+    with stop_all_ranks_on_failure(d):
         train(cfg, d)
-    except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
-        raise
-    except BaseException:  # this rank alone: show where, and take the other ranks down with it
-        fail()
 
 
 def train(cfg: Config, d: Dist) -> None:
