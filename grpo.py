@@ -24,7 +24,8 @@ model and the built-in debug task) that the command line still overrides.
 """
 from __future__ import annotations
 
-import ast, contextlib, copy, dataclasses, difflib, gc, importlib, itertools, json, logging, math, multiprocessing, os
+import ast, contextlib, copy, dataclasses, difflib, gc, importlib, itertools, json, logging, math, multiprocessing
+import numbers, os
 import random, re, shutil, signal, socket, sys, tempfile, threading, time, traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -245,18 +246,23 @@ def pack_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], com
 
 def compute_advantages(rewards: torch.Tensor, num_generations_per_prompt: int, leave_one_out: bool,
                        normalize: bool) -> torch.Tensor:
-    """Reward minus the group's baseline (mean, or mean of the others); optionally / group std.
-    Groups with zero std keep the unnormalized advantage; a group of one gets 0."""
+    """NeMo-RL's advantages: a reward minus its baseline, the mean of the group's other rewards (leave-one-out) or of
+    all of them; normalized: divided by the unbiased std of those same rewards. A std of 0 (or of a single other
+    reward) leaves the advantage unnormalized; a group of one gets 0."""
     n = num_generations_per_prompt
-    r = rewards.view(-1, n)  # [prompts, n]
     if n == 1:
         return torch.zeros_like(rewards)
-    baseline = (r.sum(1, keepdim=True) - r) / (n - 1) if leave_one_out else r.mean(1, keepdim=True)  # [prompts, n]
+    r = rewards.view(-1, n).double()  # [prompts, n]
+    m = n - 1 if leave_one_out else n  # how many rewards each baseline averages
+    total, squares = r.sum(1, keepdim=True), (r * r).sum(1, keepdim=True)  # [prompts, 1]
+    if leave_one_out:
+        total, squares = total - r, squares - r * r  # [prompts, n]: sums over each sample's others
+    baseline = total / m
+    std = ((squares - m * baseline**2).clamp(min=0) / max(m - 1, 1)).sqrt() * (m > 1)  # [prompts, n or 1]
     advantages = r - baseline
     if normalize:
-        std = r.std(1, keepdim=True)  # [prompts, 1]
         advantages = torch.where(std > 0, advantages / std.clamp(min=1e-12), advantages)
-    return advantages.view(-1)
+    return advantages.view(-1).to(rewards.dtype)
 
 def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, token_mask, reference_logprobs,
                     cfg: LossConfig, normalizer: float) -> tuple[torch.Tensor, dict]:
@@ -858,10 +864,16 @@ def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
         raise ConfigError(f"env.reward_fn: cannot load '{cfg.env.reward_fn}' ({e})")
 
 def safe_reward(reward_fn, prompt: str, completion: str, answer: Any) -> tuple[float, Optional[str]]:
+    """(reward, None), or (0.0, why) when the reward raises or returns no finite number: a reward bug must not end
+    a days-long run, nor turn its group's advantages into NaN."""
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
     try:
-        return float(reward_fn(prompt, completion, answer)), None
-    except Exception as e:  # a reward bug must not end a days-long run: score 0 and say why
-        return 0.0, f"{type(e).__name__}: {e}"
+        value = reward_fn(prompt, completion, answer)
+    except Exception as e:
+        return 0.0, f"{name} raised {type(e).__name__}: {e}"
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        return float(value), None
+    return 0.0, f"{name} returned {value!r}, not a finite number"
 
 class RewardScorer:
     """Scores samples with a reward function; one that raises gives 0 with a warning. With env.reward_timeout_s set,
@@ -888,7 +900,7 @@ class RewardScorer:
         errors = [error for _, error in results if error]
         if errors:
             print(f"warning (rank {dist.get_rank()}): reward failed on {len(errors)} of {len(results)} samples, "
-                  f"scored 0 ({'; '.join(sorted(set(errors))[:3])})", file=sys.stderr, flush=True)
+                  f"scored 0 ({'; '.join(sorted(set(errors))[:5])})", file=sys.stderr, flush=True)
         return [reward for reward, _ in results]
 
     def start_pool(self):
@@ -1198,7 +1210,8 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 def parse_overrides(args: list[str]) -> dict:
-    """`a.b.c=value` strings -> nested dict; values are YAML (so 3, 1.0e-3, true, null, [1, 2] all work)."""
+    """`a.b.c=value` strings -> nested dict; values are YAML (3, 1.0e-3, true, null, [1, 2]), and a str key takes
+    text that YAML would read as something else as is (`data.prompt_template={}`)."""
     out: dict = {}
     for arg in args:
         key, sep, raw = arg.partition("=")
@@ -1208,8 +1221,11 @@ def parse_overrides(args: list[str]) -> dict:
         node = out
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(raw)
+        node[leaf] = CommandLineValue(raw)
     return out
+
+class CommandLineValue(str):
+    """A value as typed, parsed once its key's type is known (in build_dataclass)."""
 
 def build_dataclass(cls, data, prefix: str = ""):
     """A config dataclass from a nested dict: unknown keys (with a did-you-mean) and wrong types are errors."""
@@ -1222,6 +1238,9 @@ def build_dataclass(cls, data, prefix: str = ""):
             close = difflib.get_close_matches(str(key), list(hints), n=1)
             raise ConfigError(f"unknown config key '{full}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         tp = hints[key]
+        if isinstance(value, CommandLineValue):  # YAML, except that a str key takes text YAML reads otherwise as is
+            parsed = yaml.safe_load(value)
+            value = str(value) if str in (tp, *get_args(tp)) and not isinstance(parsed, (str, type(None))) else parsed
         if get_origin(tp) is Union:  # Optional[X]
             tp = None if value is None else get_args(tp)[0]
         if dataclasses.is_dataclass(tp):
@@ -1289,12 +1308,13 @@ def check_config(cfg: Config, world_size: int) -> None:
             raise ConfigError(message)
 
 def load_config(argv: list[str], world_size: int = 1) -> Config:
-    """config.yaml (or --config PATH) <- tiny-debug preset if selected <- command-line overrides."""
+    """config.yaml (or --config PATH, anywhere) <- tiny-debug preset if selected <- command-line overrides."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
-    if argv[:1] == ["--config"]:
-        if len(argv) < 2:
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 == len(argv):
             raise ConfigError("command line: --config needs a path")
-        path, argv = argv[1], argv[2:]
+        path, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     with open(path) as f:

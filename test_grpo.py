@@ -51,13 +51,34 @@ def last_json_line(out: str) -> dict:
 # ------------------------------------------------------------------------------------------------------
 
 
-def test_leave_one_out_advantages():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    # baseline_i = (sum - r_i) / 3 = [1/3, 2/3, 2/3, 1/3]
-    adv = grpo.compute_advantages(rewards, 4, leave_one_out=True, normalize=False)
-    torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
-    # divided by the group's (unbiased) std, sqrt(1/3)
-    adv = grpo.compute_advantages(rewards, 4, leave_one_out=True, normalize=True)
+def nemo_rl_advantages(rewards: list[float], n: int, leave_one_out: bool, normalize: bool) -> list[float]:
+    """An independent reading of NeMo-RL's calculate_baseline_and_std_per_prompt + its normalization, per sample."""
+    import statistics
+    out = []
+    for start in range(0, len(rewards), n):
+        group = rewards[start:start + n]
+        for i, r in enumerate(group):
+            others = group[:i] + group[i + 1:] if leave_one_out else group
+            if n == 1:
+                out.append(0.0)
+                continue
+            std = statistics.stdev(others) if len(others) > 1 else 0.0
+            advantage = r - statistics.fmean(others)
+            out.append(advantage / std if normalize and std > 0 else advantage)
+    return out
+
+
+@pytest.mark.parametrize("leave_one_out", [True, False])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_advantages_match_nemo_rl(leave_one_out, normalize):
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 17):
+        for rewards in (torch.rand(5 * n, generator=g), (torch.rand(5 * n, generator=g) > 0.5).float()):
+            got = grpo.compute_advantages(rewards, n, leave_one_out, normalize)
+            want = torch.tensor(nemo_rl_advantages(rewards.tolist(), n, leave_one_out, normalize))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # by hand: [1, 0, 0, 1], leave-one-out: baseline 1/3 for the 1s (others 0, 0, 1), std of the others sqrt(1/3)
+    adv = grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, leave_one_out=True, normalize=True)
     torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]) / math.sqrt(1 / 3))
 
 
@@ -224,6 +245,11 @@ def test_config_errors_in_process():
         grpo.load_config(TINY, world_size=3)
     with pytest.raises(grpo.ConfigError, match="section.key=value"):
         grpo.load_config(["--fast"])
+    with pytest.raises(grpo.ConfigError, match=r"loss_fn.ratio_clip_min must be in \[0, 1\), got -0.5"):
+        grpo.load_config(["loss_fn.ratio_clip_min=-0.5"])
+    cfg = grpo.load_config(TINY + ["--config", os.path.join(HERE, "config.yaml"), "data.prompt_template={}",
+                                   "data.system_prompt=null", "data.input_key=a: b"])  # --config anywhere; raw str
+    assert (cfg.data.prompt_template, cfg.data.system_prompt, cfg.data.input_key) == ("{}", None, "a: b")
     cfg = grpo.load_config(TINY + ["policy.optimizer.lr=1e-4", "grpo.num_prompts_per_step=32"])
     assert cfg.policy.optimizer.lr == 1e-4  # "1e-4" is a string to PyYAML; accepted for a float
     assert cfg.grpo.num_prompts_per_step == 32  # the command line beats the tiny-debug preset
@@ -314,14 +340,17 @@ def test_jsonl_dataset_missing_field(tmp_path):
         grpo.load_datasets(cfg)
 
 
-def nan_reward(prompt, completion, answer):
-    return float("nan")
+def huge_reward(prompt, completion, answer):
+    """Finite, but so large that the unnormalized advantages overflow the gradient."""
+    return 1e30 * (len(completion) % 2)
 
 
 def flaky_reward(prompt, completion, answer):
-    """Raises on 'x', hangs on 'sleep', else 1."""
+    """Raises on 'x', hangs on 'sleep', returns NaN on 'nan' and a string on 'str', else 1."""
     if completion == "x":
         raise ValueError("cannot parse x")
+    if completion in ("nan", "str"):
+        return float("nan") if completion == "nan" else "1.0"
     if completion == "sleep":
         time.sleep(60)
     return 1.0
@@ -330,13 +359,14 @@ def flaky_reward(prompt, completion, answer):
 @pytest.mark.parametrize("timeout", [None, 1.0])
 def test_reward_that_raises_or_hangs_scores_zero(dist_world, timeout, capfd):
     scorer = grpo.RewardScorer(flaky_reward, timeout)
-    rows = [{"prompt": "p", "answer": None}] * 4
-    completions = ["ok", "x", "sleep" if timeout else "ok", "ok"]
+    rows = [{"prompt": "p", "answer": None}] * 6
+    completions = ["ok", "x", "sleep" if timeout else "ok", "ok", "nan", "str"]
     start = time.perf_counter()
-    assert scorer(rows, completions) == [1.0, 0.0, 0.0 if timeout else 1.0, 1.0]
+    assert scorer(rows, completions) == [1.0, 0.0, 0.0 if timeout else 1.0, 1.0, 0.0, 0.0]
     elapsed = time.perf_counter() - start
     err = capfd.readouterr().err
-    assert "ValueError: cannot parse x" in err and ("reward_timeout_s=1.0" in err) == bool(timeout)
+    assert "flaky_reward raised ValueError: cannot parse x" in err and ("reward_timeout_s=1.0" in err) == bool(timeout)
+    assert "flaky_reward returned nan, not a finite number" in err and "flaky_reward returned '1.0'" in err
     assert scorer(rows[:1], ["ok"]) == [1.0]  # a replaced pool works
     scorer.close()
     print(f"timeout={timeout}: scored in {elapsed:.2f} s")
@@ -889,7 +919,8 @@ def test_kill_during_save_then_sigterm_then_resume(tmp_path):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
-    result = run(["grpo.py"] + TINY + ["env.reward_fn=test_grpo:nan_reward", "grpo.max_consecutive_nonfinite=2",
+    result = run(["grpo.py"] + TINY + ["env.reward_fn=test_grpo:huge_reward", "grpo.normalize_rewards=false",
+                                       "grpo.max_consecutive_nonfinite=2",
                                        "grpo.max_num_steps=5", f"logger.log_dir={tmp_path}"])
     assert result.returncode == 1
     metrics = read_metrics(tmp_path)
