@@ -704,10 +704,10 @@ def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
     fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device=device)
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if dist.get_rank() == 0 else None
-    set_model_state_dict(model, full.state_dict() if full else {},
+    set_model_state_dict(model, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, buffer in model.named_buffers():  # not in the state dict (rotary inv_freq): from rank 0 too
-        if full:
+        if full is not None:
             buffer.copy_(full.get_buffer(name))
         dist.broadcast(buffer, src=0)
     return model.requires_grad_(trainable).train(trainable)
