@@ -49,6 +49,13 @@ def knob(default, check: Union[str, tuple, None] = None):
     return field(default=default, metadata={"check": check})
 
 @dataclass
+class RewardShapingConfig:  # DAPO's overlong penalty: r += min(-(L - (max_len - buffer)) / buffer x penalty, 0)
+    enabled: bool = knob(False)  # penalize completions of L tokens that run into the last `buffer` tokens of max_len
+    overlong_buffer_length: int = knob(128, ">0")  # buffer: the penalty grows linearly over these last tokens
+    overlong_buffer_penalty: float = knob(1.0, ">=0")  # penalty at L = max_response_length
+    max_response_length: Optional[int] = knob(None, ">0")  # max_len; null: policy.generation.max_new_tokens
+
+@dataclass
 class GRPOConfig:
     num_prompts_per_step: int = knob(32, ">0")  # distinct prompts per step, split evenly over the ranks
     num_generations_per_prompt: int = knob(16, ">0")  # samples per prompt: the group the baseline is computed over
@@ -64,6 +71,11 @@ class GRPOConfig:
     val_greedy: bool = knob(False)  # greedy validation (needs k = 1); false: the training sampling parameters
     max_consecutive_nonfinite: int = knob(3, ">0")  # stop after this many steps in a row with a NaN/inf loss or grad
     seed: int = knob(42)  # data order, sampling seeds and model init
+    use_dynamic_sampling: bool = knob(False)  # DAPO: drop groups whose rewards all agree, generate more to refill
+    batch_multiplier: int = knob(1, ">0")  # dynamic sampling: each round draws num_prompts_per_step x this prompts
+    dynamic_sampling_max_gen_batches: int = knob(10, ">0")  # dynamic sampling: error after this many rounds
+    overlong_filtering: bool = knob(False)  # DAPO: truncated samples (no EOS) count for the baseline, get no loss
+    reward_shaping: RewardShapingConfig = field(default_factory=lambda: RewardShapingConfig())
 
 @dataclass
 class LossConfig:
@@ -73,7 +85,11 @@ class LossConfig:
     ratio_clip_c: Optional[float] = knob(None, ">1")  # dual clip for negative advantages (> 1, e.g. 3); null: off
     token_level_loss: bool = knob(True)  # normalize by valid tokens of the global batch; false: per-sequence mean
     use_importance_sampling_correction: bool = knob(False)  # weight tokens by pi_trainer / pi_vllm (sampler mismatch)
-    truncated_importance_sampling_ratio: Optional[float] = knob(None, ">0")  # cap on that weight (e.g. 2.0); null: none
+    truncated_importance_sampling_ratio: Optional[float] = knob(None, ">0")  # upper bound on it (e.g. 2.0); null: none
+    truncated_importance_sampling_ratio_min: Optional[float] = knob(None, ">=0")  # lower bound (e.g. 0.5); null: 0
+    truncated_importance_sampling_type: str = knob(
+        "tis", ("tis", "icepop", "seq-mask-tis"))  # outside: tis clamps, icepop drops a token, seq-mask-tis a sequence
+    sequence_level_importance_ratios: bool = knob(False)  # GSPO: one ratio per sequence (needs token_level_loss false)
     use_generation_logprobs_as_prev: bool = knob(False)  # vLLM's logprobs as pi_old: one forward less; trusts vLLM
 
 @dataclass
@@ -195,39 +211,99 @@ TINY_DEBUG_PRESET = {
 # ======================================================================================================
 
 @dataclass
+class Sample:
+    """One generated completion of one prompt, before batching."""
+    prompt: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    generation_logprobs: torch.Tensor  # [len(completion_ids)] the engine's logprobs of the sampled tokens
+    truncated: bool                    # cut by max_new_tokens rather than ended by EOS
+    completion: str = ""
+    reward: float = 0.0
+
+@dataclass
 class RolloutBatch:
     """One rank's samples for one step; everything after generation reads this. B samples, T tokens."""
     input_ids: torch.Tensor            # [B, T] prompt + completion, right-padded
     token_mask: torch.Tensor           # [B, T] 1.0 on generated tokens (EOS included), 0 on prompt and padding
     generation_logprobs: torch.Tensor  # [B, T] engine's logprobs of the sampled tokens, 0 where masked
-    rewards: torch.Tensor              # [B]
+    rewards: torch.Tensor              # [B] (after reward shaping)
     advantages: torch.Tensor           # [B], broadcast over tokens in the loss
-    prompts: list[str]
-    completions: list[str]
+    truncated: torch.Tensor            # [B] bool: no EOS within max_new_tokens
+    samples: list[Sample]
     prev_logprobs: Optional[torch.Tensor] = None       # [B, T] pi_old, filled in before training
     reference_logprobs: Optional[torch.Tensor] = None  # [B, T] reference policy; None: no KL term
 
-def sample_seeds(base: int, step: int, start: int, n: int, total: int) -> list[int]:
-    """Seeds of samples start .. start+n-1 of a step that has `total` samples (all ranks). A seed depends on the
-    sample's global index only, never on the rank that generates it: the same samples at any world size and
-    tensor-parallel setting (resume and 2-vs-1-rank tests rely on it), distinct within a step and across steps."""
-    return [(base * 1_000_003 + step * total + start + i) % 2**31 for i in range(n)]
+def sample_seeds(base: int, step: int, start: int, n: int) -> list[int]:
+    """Seeds of a step's samples start .. start+n-1, numbered over all ranks (and dynamic-sampling rounds). A seed
+    depends on the sample's global index only, never on the rank that generates it: the same samples at any world
+    size and tensor-parallel setting (resume and 2-vs-1-rank tests rely on it), distinct within a step."""
+    return [((base * 1_000_003 + step) * 1_000_003 + start + i) % 2**31 for i in range(n)]
 
-def rollout(engine, rows: list[dict], tokenizer, scorer: RewardScorer, cfg: Config, seeds: list[int],
-            num_generations_per_prompt: int, device, greedy: bool = False) -> RolloutBatch:
-    """Repeat each prompt, generate, score, compute advantages and pack one right-padded batch."""
+def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
+    """This rank's share of the step's samples, scored, with advantages. With DAPO's dynamic sampling, groups whose
+    rewards all agree (no learning signal) are dropped and more prompts drawn, round by round, until
+    num_prompts_per_step groups are kept over all ranks; those first ones in the order drawn (the same at any
+    world size) are the batch, split over the ranks. Returns the batch and the rollout's metrics."""
+    cfg, g, rank, world = run.cfg, run.cfg.grpo, dist.get_rank(), dist.get_world_size()
+    n, kept, reward_sum = g.num_generations_per_prompt, [], 0.0
+    per_round = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)  # prompts, all ranks
+    mine, per_rank = slice(rank * per_round // world, (rank + 1) * per_round // world), g.num_prompts_per_step // world
+    for round_ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
+        rows = [run.train_rows[i] for i in run.sampler.next_indices(per_round)[mine]]
+        run.info["consumed_samples"] += per_round
+        seeds = sample_seeds(g.seed, step, (round_ * per_round + mine.start) * n, len(rows) * n)
+        samples = generate_samples(run.engine, rows, run.tokenizer, run.scorer, seeds, n)
+        reward_sum += sum(s.reward for s in samples)
+        groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+        if not g.use_dynamic_sampling:
+            break
+        # Keep groups whose task rewards (before reward shaping) differ; gathered in rank order = the order drawn.
+        kept += gather_all([group for group in groups if len({s.reward for s in group}) > 1])
+        if len(kept) >= g.num_prompts_per_step:
+            groups = kept[rank * per_rank:(rank + 1) * per_rank]
+            break
+    else:
+        raise RuntimeError(f"dynamic sampling: {len(kept)} of grpo.num_prompts_per_step={g.num_prompts_per_step} "
+                           f"groups with distinct rewards after grpo.dynamic_sampling_max_gen_batches="
+                           f"{g.dynamic_sampling_max_gen_batches} rounds; raise it or grpo.batch_multiplier")
+    samples = [s for group in groups for s in group]
+    generated, (reward_sum, kept_sum) = (round_ + 1) * per_round * n, all_reduce_sum(
+        [reward_sum, sum(s.reward for s in samples)], run.d.device)
+    metrics = {"train/reward": reward_sum / generated}  # the task's reward, over every sample generated
+    if g.use_dynamic_sampling:
+        metrics.update({"train/filtered_reward": kept_sum / (g.num_prompts_per_step * n),
+                        "train/dynamic_sampling_num_gen_batches": round_ + 1,
+                        "train/dynamic_sampling_num_discarded_samples": generated - g.num_prompts_per_step * n})
+    return make_batch(samples, cfg, run.tokenizer.pad_token_id, run.d.device), metrics
+
+def generate_samples(engine, rows: list[dict], tokenizer, scorer: RewardScorer, seeds: list[int],
+                     num_generations_per_prompt: int, greedy: bool = False) -> list[Sample]:
+    """num_generations_per_prompt completions of each row's prompt (consecutive: a group), decoded and scored."""
     rows = [r for r in rows for _ in range(num_generations_per_prompt)]
-    prompt_ids = [r["prompt_ids"] for r in rows]
-    results = engine.generate(prompt_ids, seeds, greedy)
-    completion_ids = [ids for ids, _ in results]
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    rewards = torch.tensor(scorer(rows, completions))
-    input_ids, token_mask, generation_logprobs = pack_batch(prompt_ids, completion_ids, [lp for _, lp in results],
-                                                            tokenizer.pad_token_id)
-    advantages = compute_advantages(rewards, num_generations_per_prompt, cfg.grpo.use_leave_one_out_baseline,
+    samples = [Sample(r["prompt"], r["prompt_ids"], ids, logprobs, truncated) for r, (ids, logprobs, truncated)
+               in zip(rows, engine.generate([r["prompt_ids"] for r in rows], seeds, greedy))]
+    completions = tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
+    for s, completion, reward in zip(samples, completions, scorer(rows, completions)):
+        s.completion, s.reward = completion, reward
+    return samples
+
+def make_batch(samples: list[Sample], cfg: Config, pad_id: int, device) -> RolloutBatch:
+    """Whole groups of samples -> one right-padded batch with (shaped) rewards and advantages."""
+    rewards = torch.tensor([s.reward for s in samples])
+    shaping = cfg.grpo.reward_shaping
+    if shaping.enabled:  # DAPO's overlong penalty, linear over the last overlong_buffer_length tokens
+        lengths, buffer = torch.tensor([len(s.completion_ids) for s in samples]), shaping.overlong_buffer_length
+        expected = (shaping.max_response_length or cfg.policy.generation.max_new_tokens) - buffer
+        rewards += (-(lengths - expected) / buffer * shaping.overlong_buffer_penalty).clamp(max=0)
+    input_ids, token_mask, generation_logprobs = pack_batch([s.prompt_ids for s in samples],
+                                                            [s.completion_ids for s in samples],
+                                                            [s.generation_logprobs for s in samples],
+                                                            pad_id)
+    advantages = compute_advantages(rewards, cfg.grpo.num_generations_per_prompt, cfg.grpo.use_leave_one_out_baseline,
                                     cfg.grpo.normalize_rewards)
-    return RolloutBatch(input_ids.to(device), token_mask.to(device), generation_logprobs.to(device),
-                        rewards, advantages.to(device), [r["prompt"] for r in rows], completions)
+    return RolloutBatch(input_ids.to(device), token_mask.to(device), generation_logprobs.to(device), rewards,
+                        advantages.to(device), torch.tensor([s.truncated for s in samples], device=device), samples)
 
 def pack_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], completion_logprobs: list[torch.Tensor],
                pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -271,32 +347,51 @@ def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, to
     across ranks and micro-batches. Returns the loss and its metrics as {name: (sum, count)}, so that callers add
     them over micro-batches and ranks before dividing. Shapes: advantages [B]; every other tensor [B, T]."""
     A = advantages.unsqueeze(1)                                # [B, 1]
-    ratio = torch.exp(logprobs - prev_logprobs)                # [B, T] pi / pi_old
-    unclipped = -A * ratio                                     # [B, T]
+    tokens = token_mask.sum(1, keepdim=True).clamp(min=1)      # [B, 1]
+    log_ratio = logprobs - prev_logprobs                       # [B, T] log(pi / pi_old)
+    if cfg.sequence_level_importance_ratios:  # GSPO: one ratio per sequence, the geometric mean of its tokens'
+        log_ratio = (log_ratio * token_mask).sum(1, keepdim=True) / tokens  # [B, 1]
+    ratio = torch.exp(log_ratio)
+    unclipped = -A * ratio                                     # [B, T] (or [B, 1]: GSPO)
     clipped = -A * ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
-    per_token = torch.maximum(unclipped, clipped)              # [B, T]
+    per_token = torch.maximum(unclipped, clipped)
     if cfg.ratio_clip_c is not None:  # dual clip: bound the loss of negative advantages with large ratios
         per_token = torch.where(A < 0, torch.minimum(per_token, -A * cfg.ratio_clip_c), per_token)
+    metrics = {}
     if cfg.use_importance_sampling_correction:
-        # The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine
-        # (truncated IS: capped, so a token the engine found unlikely cannot blow up the gradient).
-        is_weight = torch.exp(prev_logprobs - generation_logprobs)  # [B, T]
+        # The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token
+        # (GSPO: per sequence, the product over its tokens). Truncated IS bounds that weight to [lo, hi]: tis clamps
+        # it, icepop drops (weight 0) the tokens outside, seq-mask-tis drops whole sequences whose geometric mean
+        # weight is outside and keeps the others' weights as they are.
+        log_w = prev_logprobs - generation_logprobs  # [B, T]
+        is_weight = torch.exp((log_w * token_mask).sum(1, keepdim=True) if cfg.sequence_level_importance_ratios
+                              else log_w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B, T] (or [B, 1]: GSPO)
+        kind = cfg.truncated_importance_sampling_type
         if cfg.truncated_importance_sampling_ratio is not None:
-            is_weight = is_weight.clamp(max=cfg.truncated_importance_sampling_ratio)
+            lo, hi = cfg.truncated_importance_sampling_ratio_min or 0.0, cfg.truncated_importance_sampling_ratio
+            if kind == "seq-mask-tis":
+                geometric_mean = torch.exp((log_w * token_mask).sum(1, keepdim=True) / tokens)  # [B, 1]
+                inside, sequences = (geometric_mean >= lo) & (geometric_mean <= hi), token_mask.amax(1, keepdim=True)
+                oob = (((~inside) * sequences).sum().item(), sequences.sum().item())  # share of sequences
+            else:
+                inside = (is_weight >= lo) & (is_weight <= hi)
+                oob = (((~inside) * token_mask).sum().item(), token_mask.sum().item())  # share of tokens
+            is_weight = is_weight.clamp(lo, hi) if kind == "tis" else inside * is_weight
+            metrics["is_oob_ratio"] = oob
         per_token = per_token * is_weight
-    kl = torch.zeros_like(per_token)
+    kl = torch.zeros_like(logprobs)
     if reference_logprobs is not None:
-        log_ratio = reference_logprobs - logprobs  # [B, T] log(pi_ref / pi)
-        kl = torch.exp(log_ratio) - log_ratio - 1  # k3: unbiased, always >= 0
+        log_ratio_ref = reference_logprobs - logprobs  # [B, T] log(pi_ref / pi)
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased, always >= 0
         per_token = per_token + cfg.reference_policy_kl_penalty * kl
     if cfg.token_level_loss:
         loss = (per_token * token_mask).sum() / normalizer
     else:  # sequence-level: mean over each sequence's tokens, then sum / number of sequences
-        loss = ((per_token * token_mask).sum(1) / token_mask.sum(1).clamp(min=1)).sum() / normalizer
+        loss = ((per_token * token_mask).sum(1) / tokens.squeeze(1)).sum() / normalizer
     with torch.no_grad():
-        tokens = token_mask.sum().item()
-        metrics = {"kl": ((kl * token_mask).sum().item(), tokens),
-                   "clip_fraction": (((unclipped < clipped).float() * token_mask).sum().item(), tokens)}
+        n = token_mask.sum().item()
+        metrics["kl"] = ((kl * token_mask).sum().item(), n)
+        metrics["clip_fraction"] = (((unclipped < clipped).float() * token_mask).sum().item(), n)
     return loss, metrics
 
 def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask, device) -> dict:
@@ -399,14 +494,17 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, de
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     (budget, packed), lengths = token_budget(p, "train"), sample_lengths(batch.token_mask)
     own_prev = batch.prev_logprobs is None  # fill_logprobs leaves it so only with one update
+    loss_mask = batch.token_mask  # [B, T]; DAPO's overlong filtering: truncated samples get no loss
+    if cfg.grpo.overlong_filtering:
+        loss_mask = batch.token_mask * ~batch.truncated.unsqueeze(1)
     if own_prev:
         batch.prev_logprobs = torch.zeros_like(batch.generation_logprobs)  # filled micro-batch by micro-batch
     sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}
     loss_sum, grad_norms, skipped = 0.0, [], 0
     for k in range(n_updates):
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device)  # this update's samples on this rank
-        local = batch.token_mask[rows].sum().item() if cfg.loss_fn.token_level_loss else float(len(rows))
-        (normalizer,) = all_reduce_sum([local], device)  # valid tokens (or sequences) of the global batch
+        local = loss_mask[rows].sum() if cfg.loss_fn.token_level_loss else loss_mask[rows].amax(1).sum()
+        (normalizer,) = all_reduce_sum([local.item()], device)  # valid tokens (or sequences) of the global batch
         groups = micro_batches(lengths[rows].tolist(), p.train_micro_batch_size, budget, packed, device)
         for n, group in enumerate(groups):
             m = rows[group]
@@ -419,7 +517,7 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, de
             ref = None if batch.reference_logprobs is None else batch.reference_logprobs[m, :width]
             loss, metrics = clipped_pg_loss(logprobs, batch.prev_logprobs[m, :width],  # each [mbs, width]
                                             batch.generation_logprobs[m, :width], batch.advantages[m],
-                                            batch.token_mask[m, :width], ref, cfg.loss_fn, max(normalizer, 1.0))
+                                            loss_mask[m, :width], ref, cfg.loss_fn, max(normalizer, 1.0))
             # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
             (loss * dist.get_world_size()).backward()
             loss_sum += loss.item()
@@ -453,17 +551,15 @@ def validate(run: Run, step: int) -> dict:
     run.stale, samples = False, []
     for i in range(0, len(mine), g.val_batch_size):
         chunk = mine[i:i + g.val_batch_size]
-        seeds = sample_seeds(g.seed + 1, step, (rank * len(mine) + i) * k, len(chunk) * k, len(run.val_rows) * k)
-        b = rollout(run.engine, chunk, run.tokenizer, run.scorer, cfg, seeds, k, run.d.device, greedy=g.val_greedy)
-        samples += [{"prompt": p, "completion": c, "reward": r, "tokens": n} for p, c, r, n in
-                    zip(b.prompts, b.completions, b.rewards.tolist(), b.token_mask.sum(1).tolist())]
+        seeds = sample_seeds(g.seed + 1, step, (rank * len(mine) + i) * k, len(chunk) * k)
+        samples += [{"prompt": s.prompt, "completion": s.completion, "reward": s.reward,
+                     "tokens": len(s.completion_ids)}
+                    for s in generate_samples(run.engine, chunk, run.tokenizer, run.scorer, seeds, k, g.val_greedy)]
     run.engine.finish_generation()
+    samples = gather_all(samples)
     rewards = torch.tensor([s["reward"] for s in samples]).view(-1, k)  # [prompts, k]
-    total, best, tokens, n = all_reduce_sum([rewards.sum().item(), rewards.max(1).values.sum().item(),
-                                             sum(s["tokens"] for s in samples), rewards.numel()], run.d.device)
-    val = {"accuracy": total / max(n, 1), f"pass@{k}": best * k / max(n, 1), "avg_length": tokens / max(n, 1),
-           "samples": n}
-    samples = gather_to_rank0(samples)
+    val = {"accuracy": rewards.mean().item(), f"pass@{k}": rewards.max(1).values.mean().item(),
+           "avg_length": float(np.mean([s["tokens"] for s in samples])), "samples": len(samples)}
     run.logger.write_samples(f"val_data_step{step}.jsonl", samples)
     print0(f"validation at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
     print_samples(samples, cfg.logger.num_samples_to_print)
@@ -474,8 +570,8 @@ def validate(run: Run, step: int) -> dict:
 # ======================================================================================================
 # Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface
 # ======================================================================================================
-# generate(prompt_ids, seeds) -> [(completion_ids, logprobs)]; prepare_for_generation(model, stale, version) wakes it
-# and takes the policy's weights if they changed; finish_generation() lets it sleep; close().
+# generate(prompt_ids, seeds) -> [(completion_ids, logprobs, truncated)]; prepare_for_generation(model, stale, version)
+# wakes it and takes the policy's weights if they changed; finish_generation() lets it sleep; close().
 
 def free_gib() -> float:
     return torch.cuda.mem_get_info()[0] / 2**30
@@ -531,7 +627,7 @@ class VllmEngine:
                                  and self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings)
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int],
-                 greedy: bool = False) -> list[tuple[list[int], torch.Tensor]]:
+                 greedy: bool = False) -> list[tuple[list[int], torch.Tensor, bool]]:
         # The ranks of a TP group drive one engine: all pass the group's prompts and seeds, each keeps its own.
         mine = slice(0, len(prompt_ids))
         if self.tp_group is not None:
@@ -545,8 +641,8 @@ class VllmEngine:
                                       top_k=self.gen.top_k or 0, max_tokens=self.gen.max_new_tokens,
                                       logprobs=0, flat_logprobs=True, seed=s, detokenize=False) for s in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        return [(list(o.outputs[0].token_ids), torch.tensor(o.outputs[0].logprobs.logprobs, dtype=torch.float32))
-                for o in outputs[mine]]
+        return [(list(o.token_ids), torch.tensor(o.logprobs.logprobs, dtype=torch.float32), o.finish_reason == "length")
+                for o in (out.outputs[0] for out in outputs[mine])]
 
     def prepare_for_generation(self, model, stale: bool, version: int) -> None:
         """Wake up, and take the policy's weights if they changed or if level-2 sleep discarded them. `version` (the
@@ -607,7 +703,7 @@ class HFEngine:
         self.metrics: dict[str, float] = {}
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int],
-                 greedy: bool = False) -> list[tuple[list[int], torch.Tensor]]:
+                 greedy: bool = False) -> list[tuple[list[int], torch.Tensor, bool]]:
         pad, width = self.tokenizer.pad_token_id, max(map(len, prompt_ids))
         left = [width - len(p) for p in prompt_ids]  # left padding: every prompt ends at column `width`
         ids = torch.tensor([[pad] * n + p for n, p in zip(left, prompt_ids)], device=self.device)  # [B, width]
@@ -634,7 +730,8 @@ class HFEngine:
             logprobs = policy_logprobs(self.model, input_ids.to(self.device), token_mask.to(self.device),
                                        self.gen.temperature, self.chunk_size).cpu()
         self.model.reshard()  # as after any no-grad forward
-        return [(c, logprobs[i, len(p):len(p) + len(c)]) for i, (p, c) in enumerate(zip(prompt_ids, completions))]
+        return [(c, logprobs[i, len(p):len(p) + len(c)], not is_eos[i].any().item())
+                for i, (p, c) in enumerate(zip(prompt_ids, completions))]
 
     # It generates with the training weights themselves: nothing to wake, refit, put to sleep or shut down.
     prepare_for_generation = finish_generation = close = staticmethod(lambda *args, **kwargs: None)
@@ -1166,18 +1263,13 @@ class Logger:
         if self.tb:
             self.tb.close()
 
-def gather_to_rank0(records: list) -> list:
-    """Every rank's records, concatenated in rank order, on rank 0 ([] elsewhere)."""
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(records, out, dst=0)
-    return [r for part in out for r in part] if out else []
-
 def sample_records(batch: RolloutBatch) -> list[dict]:
-    return [{"prompt": p, "completion": c, "reward": r, "advantage": a, "generation_logprobs": g[m > 0].tolist(),
+    return [{"prompt": s.prompt, "completion": s.completion, "reward": s.reward, "shaped_reward": r,
+             "advantage": a, "truncated": s.truncated, "generation_logprobs": g[m > 0].tolist(),
              "prev_logprobs": lp[m > 0].tolist()}
-            for p, c, r, a, g, lp, m in zip(batch.prompts, batch.completions, batch.rewards.tolist(),
-                                            batch.advantages.tolist(), batch.generation_logprobs.cpu(),
-                                            batch.prev_logprobs.cpu(), batch.token_mask.cpu())]
+            for s, r, a, g, lp, m in zip(batch.samples, batch.rewards.tolist(), batch.advantages.tolist(),
+                                         batch.generation_logprobs.cpu(), batch.prev_logprobs.cpu(),
+                                         batch.token_mask.cpu())]
 
 def print_samples(samples: list[dict], n: int) -> None:
     for s in samples[:n]:
@@ -1186,14 +1278,12 @@ def print_samples(samples: list[dict], n: int) -> None:
 def print_step(step: int, max_steps: int, metrics: dict) -> None:
     t = {k.removeprefix("timing/train/"): v for k, v in metrics.items() if k.startswith("timing/train/")}
     total = t.pop("total_step_time")
+    parts = ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
     print0(f"step {step}/{max_steps} | reward {metrics['train/reward']:.4f} | loss {metrics['train/loss']:.4f} "
            f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} "
            f"| gen_len {metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: "
-           f"{metrics['perf/generated_tokens_per_s']:.0f} generated, {metrics['perf/trained_tokens_per_s']:.0f} trained"
-           " "
-           f"| {total:.2f}s ("
-           + ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
-           + ")")
+           f"{metrics['perf/generated_tokens_per_s']:.0f} generated, {metrics['perf/trained_tokens_per_s']:.0f} trained "
+           f"| {total:.2f}s ({parts})")
 
 
 # ======================================================================================================
@@ -1297,6 +1387,10 @@ def check_config(cfg: Config, world_size: int) -> None:
          "loss_fn.use_importance_sampling_correction needs the trainer's own logprobs: it cannot be combined with "
          "loss_fn.use_generation_logprobs_as_prev"),
         (len(p.optimizer.betas) == 2, "policy.optimizer.betas must have two values"),
+        (not (loss.sequence_level_importance_ratios and loss.token_level_loss),
+         "loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false"),
+        ((loss.truncated_importance_sampling_ratio_min or 0) <= (loss.truncated_importance_sampling_ratio or math.inf),
+         "loss_fn.truncated_importance_sampling_ratio_min must not exceed truncated_importance_sampling_ratio"),
         (not (p.dynamic_batching.enabled and p.sequence_packing.enabled),
          "policy.dynamic_batching and policy.sequence_packing cannot both be enabled"),
         (not (g.val_greedy and g.val_num_generations_per_prompt > 1),
@@ -1415,6 +1509,12 @@ def print0(*args, **kwargs):
     if dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
+def gather_all(records: list) -> list:
+    """Every rank's records, concatenated in rank order, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, records)
+    return [r for part in out for r in part]
+
 def all_reduce_sum(values: list[float], device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
@@ -1449,20 +1549,16 @@ class Run:
 def train(cfg: Config, d: Dist) -> None:
     run = setup(cfg, d)
     g, ckpt = cfg.grpo, cfg.checkpointing
-    per_rank, n = g.num_prompts_per_step // d.world_size, g.num_generations_per_prompt
     if g.val_at_start and run.info["step"] == 0:
         run.logger.log(0, validate(run, 0))
     for step in range(run.info["step"] + 1, g.max_num_steps + 1):
         times, val = defaultdict(float), {}
         with timed(times, "total_step_time"):
-            indices = run.sampler.next_indices(g.num_prompts_per_step)[d.rank * per_rank:(d.rank + 1) * per_rank]
             with timed(times, "refit"):
                 run.engine.prepare_for_generation(run.policy, run.stale, version=step - 1)
                 run.stale = False
             with timed(times, "generation"):
-                seeds = sample_seeds(g.seed, step, d.rank * per_rank * n, per_rank * n, g.num_prompts_per_step * n)
-                batch = rollout(run.engine, [run.train_rows[i] for i in indices], run.tokenizer, run.scorer, cfg,
-                                seeds, n, d.device)
+                batch, rollout_metrics = rollout(run, step)
                 run.engine.finish_generation()
             with timed(times, "policy_and_reference_logprobs"):
                 fill_logprobs(run, batch)
@@ -1473,7 +1569,7 @@ def train(cfg: Config, d: Dist) -> None:
             if (g.val_period > 0 and step % g.val_period == 0) or (last and g.val_at_end):
                 with timed(times, "validation"):
                     val = validate(run, step)
-            rollout_metrics = record_step(run, step, batch, times)
+            rollout_metrics.update(record_step(run, step, batch, times))
             (stop_requested,) = all_reduce_sum([float(run.stop.requested)], d.device)  # a signal may reach one rank
             if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop_requested):
                 with timed(times, "checkpointing"):
@@ -1548,11 +1644,11 @@ def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}  # for MFU
 
 def record_step(run: Run, step: int, batch: RolloutBatch, times: dict) -> dict:
-    """The step's counters into training_info; returns the rollout's metrics and the throughput per device: generated
+    """The step's counters into training_info; returns the batch's metrics and the throughput per device: generated
     and trained (prompt + completion, no padding) tokens/s, and on CUDA the training MFU (6 x parameters x tokens)."""
-    reward_sum, gen_tokens, seq_tokens, n = all_reduce_sum(
-        [batch.rewards.sum().item(), batch.token_mask.sum().item(), sample_lengths(batch.token_mask).sum().item(),
-         len(batch.rewards)], run.d.device)
+    gen_tokens, seq_tokens, n = all_reduce_sum([batch.token_mask.sum().item(),
+                                                sample_lengths(batch.token_mask).sum().item(), len(batch.rewards)],
+                                               run.d.device)
     per_device, world = {}, dist.get_world_size()
     per_device["perf/generated_tokens_per_s"] = gen_tokens / world / times["generation"]
     per_device["perf/trained_tokens_per_s"] = seq_tokens / world / times["policy_training"]
@@ -1561,17 +1657,17 @@ def record_step(run: Run, step: int, batch: RolloutBatch, times: dict) -> dict:
     if peak:
         params = sum(p.numel() for p in run.policy.parameters())
         per_device["perf/mfu"] = 6 * params * per_device["perf/trained_tokens_per_s"] / peak
-    run.info.update(step=step, consumed_samples=run.info["consumed_samples"] + run.cfg.grpo.num_prompts_per_step,
-                    total_tokens=run.info["total_tokens"] + int(gen_tokens), scheduler=run.scheduler.state_dict(),
+    run.info.update(step=step, total_tokens=run.info["total_tokens"] + int(gen_tokens),
+                    scheduler=run.scheduler.state_dict(),
                     sampler={"epoch": run.sampler.epoch, "offset": run.sampler.offset})
-    return {"train/reward": reward_sum / n, "train/mean_gen_tokens": gen_tokens / n, **per_device}
+    return {"train/mean_gen_tokens": gen_tokens / n, **per_device}
 
 def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict, stop_requested: float) -> bool:
     """Log, print, count non-finite steps; True when the run stops here."""
     g = run.cfg.grpo
     metrics.update({**run.engine.metrics, **{f"timing/train/{k}": v for k, v in times.items()}})
     run.engine.metrics.clear()
-    samples = gather_to_rank0(sample_records(batch))
+    samples = gather_all(sample_records(batch))
     run.logger.log(step, metrics)
     run.logger.write_samples(f"train_data_step{step}.jsonl", samples)
     print_step(step, g.max_num_steps, metrics)

@@ -141,6 +141,83 @@ def test_truncated_importance_sampling_correction():
     assert on.item() == pytest.approx((-0.5 - 2.0 + 3.0) / 3, rel=1e-5)  # 10 truncated to 3
 
 
+def reference_pg_loss(lp, prev, gen, adv, mask, cfg) -> tuple[float, float]:
+    """NeMo-RL's clipped PG loss with GSPO ratios and truncated IS, written out sequence by sequence and token by
+    token in plain Python from the formulas (no grpo.py code). Returns (loss, is_oob_ratio)."""
+    lo, hi = cfg.truncated_importance_sampling_ratio_min or 0.0, cfg.truncated_importance_sampling_ratio
+    total, seqs, tokens, oob, oob_count = 0.0, 0, 0, 0, 0
+    for i in range(len(adv)):
+        ts = [t for t in range(len(mask[i])) if mask[i][t]]
+        seq_ratio = math.exp(sum(lp[i][t] - prev[i][t] for t in ts) / len(ts))  # GSPO: geometric mean
+        seq_weight = math.exp(sum(prev[i][t] - gen[i][t] for t in ts))  # product of the token weights
+        geometric = math.exp(sum(prev[i][t] - gen[i][t] for t in ts) / len(ts))
+        if cfg.truncated_importance_sampling_type == "seq-mask-tis":
+            oob, oob_count = oob + (not lo <= geometric <= hi), oob_count + 1
+        per_token = []
+        for t in ts:
+            r = seq_ratio if cfg.sequence_level_importance_ratios else math.exp(lp[i][t] - prev[i][t])
+            objective = max(-adv[i] * r, -adv[i] * min(max(r, 1 - cfg.ratio_clip_min), 1 + cfg.ratio_clip_max))
+            if cfg.ratio_clip_c is not None and adv[i] < 0:
+                objective = min(objective, -adv[i] * cfg.ratio_clip_c)
+            w = seq_weight if cfg.sequence_level_importance_ratios else math.exp(prev[i][t] - gen[i][t])
+            if cfg.truncated_importance_sampling_type == "tis":
+                oob, oob_count = oob + (not lo <= w <= hi), oob_count + 1
+                w = min(max(w, lo), hi)
+            elif cfg.truncated_importance_sampling_type == "icepop":
+                oob, oob_count = oob + (not lo <= w <= hi), oob_count + 1
+                w = w if lo <= w <= hi else 0.0
+            elif not lo <= geometric <= hi:  # seq-mask-tis: the whole sequence goes; kept ones keep raw weights
+                w = 0.0
+            per_token.append(objective * w)
+        if cfg.token_level_loss:
+            total, tokens = total + sum(per_token), tokens + len(ts)
+        else:
+            total, seqs = total + sum(per_token) / len(ts), seqs + 1
+    return total / (tokens if cfg.token_level_loss else seqs), oob / oob_count
+
+
+@pytest.mark.parametrize("gspo", [False, True])
+@pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
+def test_gspo_and_truncated_is_match_an_independent_implementation(gspo, kind):
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 9
+    mask = (torch.rand(B, T, generator=g) < 0.8).double()
+    mask[:, 0] = 1  # every sequence has a token
+    prev = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    lp = prev + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios on both sides of the clip
+    gen = prev + 0.15 * torch.randn(B, T, generator=g, dtype=torch.float64)  # sampler mismatch
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.0, ratio_clip_min=0.1, ratio_clip_max=0.15,
+                          ratio_clip_c=1.5, token_level_loss=not gspo, sequence_level_importance_ratios=gspo,
+                          use_importance_sampling_correction=True, truncated_importance_sampling_type=kind,
+                          truncated_importance_sampling_ratio=1.1 if gspo and kind != "seq-mask-tis" else 1.05,
+                          truncated_importance_sampling_ratio_min=0.9 if gspo and kind != "seq-mask-tis" else 0.95)
+    normalizer = mask.sum().item() if cfg.token_level_loss else B
+    loss, metrics = grpo.clipped_pg_loss(lp, prev, gen, adv, mask, None, cfg, normalizer)
+    expected, oob = reference_pg_loss(lp.tolist(), prev.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), cfg)
+    print(f"gspo={gspo} {kind}: loss {loss.item():.6f} (reference {expected:.6f}), is_oob_ratio {oob:.3f}")
+    assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert metrics["is_oob_ratio"][0] / metrics["is_oob_ratio"][1] == pytest.approx(oob)
+    assert 0 < oob < 1  # both sides of the bounds are exercised
+
+
+def test_gspo_needs_sequence_level_loss():
+    with pytest.raises(grpo.ConfigError, match="token_level_loss"):
+        grpo.load_config(TINY + ["loss_fn.sequence_level_importance_ratios=true"])
+
+
+def test_overlong_reward_shaping_hand_values():
+    cfg = grpo.load_config(TINY + ["grpo.num_generations_per_prompt=5", "policy.train_global_batch_size=80",
+                                   "grpo.reward_shaping.enabled=true",
+                                   "grpo.reward_shaping.overlong_buffer_length=4",
+                                   "grpo.reward_shaping.overlong_buffer_penalty=0.5"])  # max_new_tokens 16
+    samples = [grpo.Sample("p", [1], [5] * n, torch.zeros(n), n == 16, reward=1.0) for n in (8, 12, 13, 14, 16)]
+    batch = grpo.make_batch(samples, cfg, 0, "cpu")
+    # the penalty grows linearly over the last 4 tokens of 16: -(L - 12) / 4 x 0.5, never positive
+    assert batch.rewards.tolist() == pytest.approx([1.0, 1.0, 0.875, 0.75, 0.5])
+    assert batch.truncated.tolist() == [False, False, False, False, True]
+
+
 def test_mismatch_metrics(dist_world):
     prev = torch.tensor([[0.0, -1.0, -2.0, 5.0]])
     gen = torch.tensor([[0.0, -1.0 - math.log(2), -2.0 + math.log(4), 0.0]])
@@ -409,12 +486,19 @@ LENGTHS_BATCH = ([[1, 40, 41, 42], [1, 40], [1, 43, 44], [1, 45, 46, 47, 48], [1
                  (3, 9, 1, 5, 12, 2))  # prompts, completion lengths: samples of 7, 11, 4, 10, 14, 6 tokens
 
 
+def debug_rollout(engine, rows, tokenizer, cfg, seeds, device) -> grpo.RolloutBatch:
+    """8 samples of each row's prompt, scored by the debug task's reward, as one batch."""
+    samples = grpo.generate_samples(engine, rows, tokenizer, grpo.RewardScorer(grpo.debug_reward, None), seeds, 8)
+    return grpo.make_batch(samples, cfg, tokenizer.pad_token_id, device)
+
+
 def small_batch(seed: int = 0) -> grpo.RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     prompts, lengths = LENGTHS_BATCH
     completions = [torch.randint(5, 90, (n,), generator=g).tolist() for n in lengths]
     ids, mask, gen_lp = grpo.pack_batch(prompts, completions, [torch.zeros(len(c)) for c in completions], 0)
-    return grpo.RolloutBatch(ids, mask, gen_lp, torch.zeros(6), torch.randn(6, generator=g), [""] * 6, [""] * 6)
+    return grpo.RolloutBatch(ids, mask, gen_lp, torch.zeros(6), torch.randn(6, generator=g), torch.zeros(6, dtype=bool),
+                             [])
 
 
 # one padded batch of 6 first (the reference), then padded micro-batches, dynamic batches and packed ones
@@ -444,6 +528,23 @@ def test_global_normalization_is_independent_of_micro_batches(dist_world, tmp_pa
         assert grad_norm == pytest.approx(results[0][0], rel=1e-5)
         assert loss == pytest.approx(results[0][1], rel=1e-5, abs=1e-7)
     assert results[0][0] > 0
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_overlong_filtering_trains_as_if_truncated_samples_were_absent(dist_world, tmp_path, token_level):
+    path = str(tmp_path / "tiny")
+    grpo.build_tiny_debug(path)
+    common = TINY + ["grpo.num_generations_per_prompt=1", f"loss_fn.token_level_loss={str(token_level).lower()}"]
+    batch, keep = small_batch(), torch.tensor([0, 2, 3, 5])
+    batch.truncated[[1, 4]] = True
+    part = grpo.RolloutBatch(*(t[keep] for t in (batch.input_ids, batch.token_mask, batch.generation_logprobs,
+                                                 batch.rewards, batch.advantages, batch.truncated)), [])
+    filtered = _grad_norm_and_loss(grpo.load_config(common + [
+        "grpo.num_prompts_per_step=6", "policy.train_global_batch_size=6", "grpo.overlong_filtering=true"]), path, batch)
+    absent = _grad_norm_and_loss(grpo.load_config(common + [
+        "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=4"]), path, part)
+    print(f"token_level={token_level}: (grad norm, loss) filtered {filtered}, without the truncated {absent}")
+    assert filtered == pytest.approx(absent, rel=1e-5) and filtered[0] > 0
 
 
 def test_micro_batches_by_token_budget(dist_world):
@@ -594,8 +695,7 @@ def refit_worker():
     engine.llm.generate = spy
 
     def max_diff(step):
-        batch = grpo.rollout(engine, rows, tokenizer, grpo.RewardScorer(grpo.debug_reward, None), cfg,
-                             grpo.sample_seeds(0, step, d.rank * 64, 64, 128), 8, d.device)
+        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, d.rank * 64, 64), d.device)
         lp = grpo.batched_logprobs(policy, batch, cfg)
         diff = ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item()
         return torch.tensor(diff), batch, lp
@@ -681,14 +781,13 @@ def precision_worker():
     policy = grpo.load_policy(path, cfg, d.device, trainable=True)
     optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(16, seed=0), tokenizer, cfg)
-    scorer = grpo.RewardScorer(grpo.debug_reward, None)
 
     def engine_embedding():
         weight = engine.llm.apply_model(lambda m: m.model.embed_tokens.weight.detach().float().clone())[0]
         return weight[:len(tokenizer)]  # vLLM pads the vocabulary
     start, master_start = engine_embedding(), policy.model.embed_tokens.weight.full_tensor().detach().clone()
     for step in range(1, 9):
-        batch = grpo.rollout(engine, rows, tokenizer, scorer, cfg, grpo.sample_seeds(0, step, 0, 128, 128), 8, d.device)
+        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, 0, 128), d.device)
         batch.prev_logprobs = grpo.batched_logprobs(policy, batch, cfg)
         grpo.train_step(policy, optimizer, scheduler, batch, cfg, d.device)
         engine.prepare_for_generation(policy, stale=True, version=step)
@@ -697,7 +796,7 @@ def precision_worker():
 
     def follows(copy):  # projection of the copy's movement on the masters' movement
         return ((copy - start) * moved).sum().item() / (moved * moved).sum().item()
-    batch = grpo.rollout(engine, rows, tokenizer, scorer, cfg, grpo.sample_seeds(0, 99, 0, 128, 128), 8, d.device)
+    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 99, 0, 128), d.device)
     error = (grpo.batched_logprobs(policy, batch, cfg) - batch.generation_logprobs).abs()[batch.token_mask > 0]
     print(json.dumps({"engine_follows": follows(engine_embedding()), "nearest_follows": follows(
         master.to(torch.bfloat16).float()), "master_moved": moved.abs().max().item(),
@@ -789,6 +888,34 @@ def test_resume_is_exact_at_the_default_precision(tmp_path):
     assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
 
 
+def test_dynamic_sampling_is_exact_across_ranks_and_resume(tmp_path):
+    """DAPO (dynamic sampling, overlong shaping and filtering, clip-higher): each trained group has rewards that
+    differ; 1 rank, 2 ranks and 2 ranks stopped after step 2 and resumed give the same numbers."""
+    common = TINY + ["grpo.use_dynamic_sampling=true", "grpo.reward_shaping.enabled=true",
+                     "grpo.reward_shaping.overlong_buffer_length=4", "grpo.overlong_filtering=true",
+                     "loss_fn.ratio_clip_max=0.28", "grpo.val_period=0", "checkpointing.save_period=2"]
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    for log_dir, steps, ranks in ((one, 4, 0), (two, 4, 2), (resumed, 2, 2), (resumed, 4, 2)):
+        result = run(["grpo.py"] + common + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"], ranks=ranks)
+        assert result.returncode == 0, result.stderr[-3000:]
+    keys = ("train/reward", "train/filtered_reward", "train/loss", "train/dynamic_sampling_num_gen_batches",
+            "train/dynamic_sampling_num_discarded_samples")
+    metrics = [read_metrics(d) for d in (one, two, resumed)]
+    for m in metrics[0]:
+        print({k.removeprefix("train/"): round(m[k], 4) for k in keys})
+    for a, b, c in zip(*metrics):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5) and c[key] == pytest.approx(b[key], abs=1e-6)
+    rounds = [m["train/dynamic_sampling_num_gen_batches"] for m in metrics[0]]
+    assert [m["train/dynamic_sampling_num_discarded_samples"] for m in metrics[0]] == [r * 128 - 128 for r in rounds]
+    assert max(rounds) > 1  # the tiny model at start: some groups score all 0, so some steps need a second round
+    for step in range(1, 5):
+        samples = [json.loads(line) for line in open(one / f"train_data_step{step}.jsonl")]
+        groups = [samples[i:i + 8] for i in range(0, 128, 8)]
+        assert len(groups) == 16 and all(len({s["reward"] for s in g}) > 1 and len({s["prompt"] for s in g}) == 1
+                                         for g in groups)
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     """2 ranks: 6 steps uninterrupted, and 3 steps then resumed to 6 (greedy validation in both)."""
@@ -857,8 +984,7 @@ def export_vllm_worker():
     engine = grpo.VllmEngine(path, cfg)
     policy = grpo.load_policy(path, cfg, d.device, trainable=False)
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
-    batch = grpo.rollout(engine, rows, tokenizer, grpo.RewardScorer(grpo.debug_reward, None), cfg,
-                         grpo.sample_seeds(0, 1, 0, 64, 64), 8, d.device)
+    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 1, 0, 64), d.device)
     lp = grpo.batched_logprobs(policy, batch, cfg)
     print(json.dumps({"max_diff": ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item(),
                       "reward": batch.rewards.mean().item()}))
