@@ -263,10 +263,11 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
         if len(kept) >= g.num_prompts_per_step:
             groups = kept[rank * per_rank:(rank + 1) * per_rank]
             break
-    else:
-        raise RuntimeError(f"dynamic sampling: {len(kept)} of grpo.num_prompts_per_step={g.num_prompts_per_step} "
-                           f"groups with distinct rewards after grpo.dynamic_sampling_max_gen_batches="
-                           f"{g.dynamic_sampling_max_gen_batches} rounds; raise it or grpo.batch_multiplier")
+    else:  # every rank sees the same kept groups: all stop here together
+        print0(f"error: step {step}: dynamic sampling found {len(kept)} of grpo.num_prompts_per_step="
+               f"{g.num_prompts_per_step} groups with differing rewards in grpo.dynamic_sampling_max_gen_batches="
+               f"{g.dynamic_sampling_max_gen_batches} rounds; raise it or grpo.batch_multiplier", file=sys.stderr)
+        sys.exit(1)
     samples = [s for group in groups for s in group]
     generated, (reward_sum, kept_sum) = (round_ + 1) * per_round * n, all_reduce_sum(
         [reward_sum, sum(s.reward for s in samples)], run.d.device)
