@@ -24,8 +24,8 @@ model and the built-in debug task) that the command line still overrides.
 """
 from __future__ import annotations
 
-import ast, contextlib, copy, dataclasses, difflib, gc, importlib, itertools, json, logging, math, multiprocessing
-import numbers, os
+import ast, contextlib, copy, dataclasses, difflib, functools, gc, importlib, itertools, json, logging, math
+import multiprocessing, numbers, os
 import random, re, shutil, signal, socket, sys, tempfile, threading, time, traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -76,6 +76,7 @@ class GRPOConfig:
     dynamic_sampling_max_gen_batches: int = knob(10, ">0")  # dynamic sampling: error after this many rounds
     overlong_filtering: bool = knob(False)  # DAPO: truncated samples (no EOS) count for the baseline, get no loss
     reward_shaping: RewardShapingConfig = field(default_factory=lambda: RewardShapingConfig())
+    max_rollout_turns: int = knob(1, ">0")  # assistant turns per sample, an environment's observation between two
 
 @dataclass
 class LossConfig:
@@ -160,7 +161,8 @@ class DataConfig:
 @dataclass
 class EnvConfig:
     reward_fn: Optional[str] = knob(None)  # "module:function" (prompt, completion, answer) -> float; null: the task's
-    reward_timeout_s: Optional[float] = knob(10.0, ">0")  # per sample, in worker processes; null: in-process, no limit
+    environment: Optional[str] = knob(None)  # multi-turn: "module:Class", letters or calculator; null: the task's
+    reward_timeout_s: Optional[float] = knob(10.0, ">0")  # per reward / env step, in worker processes; null: no limit
 
 @dataclass
 class LoggerConfig:
@@ -212,25 +214,31 @@ TINY_DEBUG_PRESET = {
 
 @dataclass
 class Sample:
-    """One generated completion of one prompt, before batching."""
+    """One prompt's episode before batching: the assistant's turns and the environment's observations between them."""
     prompt: str
     prompt_ids: list[int]
-    completion_ids: list[int]
-    generation_logprobs: torch.Tensor  # [len(completion_ids)] the engine's logprobs of the sampled tokens
-    truncated: bool                    # cut by max_new_tokens rather than ended by EOS
-    completion: str = ""
-    reward: float = 0.0
+    completion_ids: list[int] = field(default_factory=list)  # every turn's tokens after the prompt, in order
+    generation_logprobs: list[float] = field(default_factory=list)  # the engine's, per token; 0 on observations
+    trained: list[int] = field(default_factory=list)  # 1 on the assistant's tokens (EOS / stop included), else 0
+    turns: list[dict] = field(default_factory=list)  # [{"role", "text"}], for train_data_step{N}.jsonl
+    reward: float = 0.0  # the sum of the turns' rewards
+    end: Optional[str] = None  # "done" (said the environment), "truncated" (out of tokens) or "max_turns"
+
+    def extend(self, ids: list[int], logprobs: list[float], trained: int) -> None:
+        self.completion_ids += ids
+        self.generation_logprobs += logprobs
+        self.trained += [trained] * len(ids)
 
 @dataclass
 class RolloutBatch:
     """One rank's samples for one step; everything after generation reads this. B samples, T tokens."""
     input_ids: torch.Tensor            # [B, T] prompt + completion, right-padded
-    token_mask: torch.Tensor           # [B, T] 1.0 on generated tokens (EOS included), 0 on prompt and padding
+    token_mask: torch.Tensor           # [B, T] 1.0 on the assistant's tokens (EOS included), 0 elsewhere
     generation_logprobs: torch.Tensor  # [B, T] engine's logprobs of the sampled tokens, 0 where masked
     rewards: torch.Tensor              # [B] (after reward shaping)
     advantages: torch.Tensor           # [B], broadcast over tokens in the loss
-    truncated: torch.Tensor            # [B] bool: no EOS within max_new_tokens
-    samples: list[Sample]
+    truncated: torch.Tensor            # [B] bool: ran out of tokens (its last turn has no EOS)
+    samples: list[Sample]              # as generated, for the logs
     prev_logprobs: Optional[torch.Tensor] = None       # [B, T] pi_old, filled in before training
     reference_logprobs: Optional[torch.Tensor] = None  # [B, T] reference policy; None: no KL term
 
@@ -239,6 +247,10 @@ def sample_seeds(base: int, step: int, start: int, n: int) -> list[int]:
     depends on the sample's global index only, never on the rank that generates it: the same samples at any world
     size and tensor-parallel setting (resume and 2-vs-1-rank tests rely on it), distinct within a step."""
     return [((base * 1_000_003 + step) * 1_000_003 + start + i) % 2**31 for i in range(n)]
+
+def turn_seed(seed: int, turn: int) -> int:
+    """A sample's seed for its turn `turn`: its own seed first, then mixed (a sum would meet other steps' seeds)."""
+    return seed if turn == 0 else int(np.random.SeedSequence([seed, turn]).generate_state(1)[0] >> 1)
 
 def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """This rank's share of the step's samples, scored, with advantages. With DAPO's dynamic sampling, groups whose
@@ -253,7 +265,7 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
         rows = [run.train_rows[i] for i in run.sampler.next_indices(per_round)[mine]]
         run.info["consumed_samples"] += per_round
         seeds = sample_seeds(g.seed, step, (round_ * per_round + mine.start) * n, len(rows) * n)
-        samples = generate_samples(run.engine, rows, run.tokenizer, run.scorer, seeds, n)
+        samples = generate_samples(run, rows, seeds, n)
         reward_sum += sum(s.reward for s in samples)
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]
         if not g.use_dynamic_sampling:
@@ -271,23 +283,82 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     samples = [s for group in groups for s in group]
     generated, (reward_sum, kept_sum) = (round_ + 1) * per_round * n, all_reduce_sum(
         [reward_sum, sum(s.reward for s in samples)], run.d.device)
-    metrics = {"train/reward": reward_sum / generated}  # the task's reward, over every sample generated
+    metrics = {"train/reward": reward_sum / generated, **episode_metrics(samples)}  # reward: every sample generated
     if g.use_dynamic_sampling:
         metrics.update({"train/filtered_reward": kept_sum / (g.num_prompts_per_step * n),
                         "train/dynamic_sampling_num_gen_batches": round_ + 1,
                         "train/dynamic_sampling_num_discarded_samples": generated - g.num_prompts_per_step * n})
     return make_batch(samples, cfg, run.tokenizer.pad_token_id, run.d.device), metrics
 
-def generate_samples(engine, rows: list[dict], tokenizer, scorer: RewardScorer, seeds: list[int],
-                     num_generations_per_prompt: int, greedy: bool = False) -> list[Sample]:
-    """num_generations_per_prompt completions of each row's prompt (consecutive: a group), decoded and scored."""
+def episode_metrics(samples: list[Sample]) -> dict:
+    """NeMo-RL's multi-turn metrics over all ranks' samples."""
+    episodes = gather_all([(sum(t["role"] == "assistant" for t in s.turns), s.end, len(s.trained) - sum(s.trained))
+                           for s in samples])
+    turns, ends, env_tokens = zip(*episodes)
+    return {"train/avg_turns_per_sample": np.mean(turns), "train/max_turns_per_sample": max(turns),
+            "train/natural_termination_rate": np.mean([e == "done" for e in ends]),
+            "train/truncation_rate": np.mean([e == "truncated" for e in ends]),
+            "train/max_turns_reached_rate": np.mean([e == "max_turns" for e in ends]),
+            "train/mean_env_tokens_per_sample": np.mean(env_tokens)}
+
+def generate_samples(run: Run, rows: list[dict], seeds: list[int], num_generations_per_prompt: int,
+                     greedy: bool = False) -> list[Sample]:
+    """num_generations_per_prompt episodes of each row (consecutive: a group), up to grpo.max_rollout_turns turns.
+    Per turn, the samples still going generate (with their environment's stop strings); each turn's tokens join the
+    sample exactly as generated, with their logprobs; the environment takes the turn's text and returns a reward and
+    an observation, which joins as a chat message of the environment's role, masked out of the loss. The turns run
+    while any rank has a sample going: the HF backend and tensor-parallel engines need all ranks in each call."""
+    cfg, tokenizer = run.cfg, run.tokenizer
     rows = [r for r in rows for _ in range(num_generations_per_prompt)]
-    samples = [Sample(r["prompt"], r["prompt_ids"], ids, logprobs, truncated) for r, (ids, logprobs, truncated)
-               in zip(rows, engine.generate([r["prompt_ids"] for r in rows], seeds, greedy))]
-    completions = tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
-    for s, completion, reward in zip(samples, completions, scorer(rows, completions)):
-        s.completion, s.reward = completion, reward
+    samples, envs = [Sample(r["prompt"], r["prompt_ids"]) for r in rows], [run.make_env(r) for r in rows]
+    max_len, max_turns = cfg.policy.max_total_sequence_length, cfg.grpo.max_rollout_turns
+    for turn in range(max_turns):
+        going = [i for i, s in enumerate(samples) if s.end is None]
+        if all_reduce_max(len(going), run.d.device) == 0:
+            break
+        results = run.engine.generate(
+            [samples[i].prompt_ids + samples[i].completion_ids for i in going],
+            [turn_seed(seeds[i], turn) for i in going], greedy,
+            stop=[getattr(envs[i], "stop", None) for i in going],
+            max_tokens=[min(cfg.policy.generation.max_new_tokens,
+                            max_len - len(samples[i].prompt_ids) - len(samples[i].completion_ids)) for i in going])
+        texts = tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
+        stepped = run.runner([(envs[i], text) for i, text in zip(going, texts)])
+        for i, (ids, logprobs, cut), text, (env, observation, reward, done) in zip(going, results, texts, stepped):
+            s, envs[i] = samples[i], env
+            s.extend(ids, logprobs.tolist(), trained=1)
+            s.reward += reward
+            s.turns.append({"role": "assistant", "text": text})
+            s.end = "done" if done else "max_turns" if turn + 1 == max_turns else None
+            if cut and s.end:  # the episode's last turn ran out of tokens (a cut turn before it goes on)
+                s.end = "truncated"
+            if s.end is None:  # the observation, cut to what fits (then the sample ends there)
+                role = getattr(env, "role", "user")
+                obs = observation_ids(tokenizer, role, str(observation or ""), ids[-1:] == [tokenizer.eos_token_id])
+                room = max_len - len(s.prompt_ids) - len(s.completion_ids)
+                if len(obs) >= room:
+                    obs, s.end = obs[:room], "truncated"
+                s.extend(obs, [0.0] * len(obs), trained=0)
+                s.turns.append({"role": role, "text": str(observation or "")})
     return samples
+
+def observation_ids(tokenizer, role: str, text: str, after_eos: bool) -> list[int]:
+    """The tokens the chat template writes between two assistant turns around a `role` message `text`: the end of
+    the assistant's turn (but the EOS the model generated), the message, and the next assistant header. Rendered
+    after placeholder turns and cut there, so that the generated tokens before it are never re-tokenized. A
+    template that refuses the role (some allow only user and assistant) gets the observation as a user message."""
+    import jinja2
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "\x00"}]
+    try:
+        full = tokenizer.apply_chat_template(chat + [{"role": role, "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    except jinja2.TemplateError:
+        full = tokenizer.apply_chat_template(chat + [{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    suffix = full[full.index("\x00") + 1:]
+    if after_eos:
+        suffix = suffix.removeprefix(tokenizer.eos_token)
+    return tokenizer.encode(suffix, add_special_tokens=False)
 
 def make_batch(samples: list[Sample], cfg: Config, pad_id: int, device) -> RolloutBatch:
     """Whole groups of samples -> one right-padded batch with (shaped) rewards and advantages."""
@@ -297,28 +368,25 @@ def make_batch(samples: list[Sample], cfg: Config, pad_id: int, device) -> Rollo
         lengths, buffer = torch.tensor([len(s.completion_ids) for s in samples]), shaping.overlong_buffer_length
         expected = (shaping.max_response_length or cfg.policy.generation.max_new_tokens) - buffer
         rewards += (-(lengths - expected) / buffer * shaping.overlong_buffer_penalty).clamp(max=0)
-    input_ids, token_mask, generation_logprobs = pack_batch([s.prompt_ids for s in samples],
-                                                            [s.completion_ids for s in samples],
-                                                            [s.generation_logprobs for s in samples],
-                                                            pad_id)
+    input_ids, token_mask, generation_logprobs = pack_batch(samples, pad_id)
     advantages = compute_advantages(rewards, cfg.grpo.num_generations_per_prompt, cfg.grpo.use_leave_one_out_baseline,
                                     cfg.grpo.normalize_rewards)
     return RolloutBatch(input_ids.to(device), token_mask.to(device), generation_logprobs.to(device), rewards,
-                        advantages.to(device), torch.tensor([s.truncated for s in samples], device=device), samples)
+                        advantages.to(device), torch.tensor([s.end == "truncated" for s in samples], device=device),
+                        samples)
 
-def pack_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], completion_logprobs: list[torch.Tensor],
-               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompt + completion, right-padded -> input_ids [B, T], token_mask [B, T], generation_logprobs [B, T].
-    The mask comes from the lengths, never from comparing with pad_id: a generated EOS is trained even when
-    pad_token_id == eos_token_id (SmolLM2, many others)."""
-    B, T = len(prompt_ids), max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt + completion, right-padded -> input_ids [B, T], token_mask [B, T] (the assistant's tokens),
+    generation_logprobs [B, T]. The mask comes from the samples, never from comparing with pad_id: a generated EOS
+    is trained even when pad_token_id == eos_token_id (SmolLM2, many others)."""
+    B, T = len(samples), max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    token_mask = torch.zeros(B, T)
-    generation_logprobs = torch.zeros(B, T)
-    for i, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, completion_logprobs)):
-        input_ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        token_mask[i, len(p):len(p) + len(c)] = 1.0
-        generation_logprobs[i, len(p):len(p) + len(c)] = lp
+    token_mask, generation_logprobs = torch.zeros(B, T), torch.zeros(B, T)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        token_mask[i, p:p + c] = torch.tensor(s.trained, dtype=torch.float)
+        generation_logprobs[i, p:p + c] = torch.tensor(s.generation_logprobs)
     return input_ids, token_mask, generation_logprobs
 
 def compute_advantages(rewards: torch.Tensor, num_generations_per_prompt: int, leave_one_out: bool,
@@ -458,9 +526,8 @@ def micro_batches(lengths: list[int], max_samples: int, budget: Optional[int], p
         if groups[-1] and tokens > budget:
             groups, tokens = groups + [[]], lengths[i]
         groups[-1].append(i)
-    most = torch.tensor(len(groups), device=device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    while len(groups) < most.item():
+    most = all_reduce_max(len(groups), device)
+    while len(groups) < most:
         largest = groups.pop(max(range(len(groups)), key=lambda g: len(groups[g])))
         groups += [largest[:len(largest) // 2], largest[len(largest) // 2:]]
     return groups
@@ -553,9 +620,8 @@ def validate(run: Run, step: int) -> dict:
     for i in range(0, len(mine), g.val_batch_size):
         chunk = mine[i:i + g.val_batch_size]
         seeds = sample_seeds(g.seed + 1, step, (rank * len(mine) + i) * k, len(chunk) * k)
-        samples += [{"prompt": s.prompt, "completion": s.completion, "reward": s.reward,
-                     "tokens": len(s.completion_ids)}
-                    for s in generate_samples(run.engine, chunk, run.tokenizer, run.scorer, seeds, k, g.val_greedy)]
+        samples += [{"prompt": s.prompt, "turns": s.turns, "reward": s.reward, "tokens": sum(s.trained)}
+                    for s in generate_samples(run, chunk, seeds, k, g.val_greedy)]
     run.engine.finish_generation()
     samples = gather_all(samples)
     rewards = torch.tensor([s["reward"] for s in samples]).view(-1, k)  # [prompts, k]
@@ -627,21 +693,21 @@ class VllmEngine:
         self.repack_tied_head = (not torch.cuda.is_available()
                                  and self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings)
 
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int],
-                 greedy: bool = False) -> list[tuple[list[int], torch.Tensor, bool]]:
-        # The ranks of a TP group drive one engine: all pass the group's prompts and seeds, each keeps its own.
-        mine = slice(0, len(prompt_ids))
-        if self.tp_group is not None:
-            requests = [None] * dist.get_world_size(self.tp_group)
-            dist.all_gather_object(requests, (prompt_ids, seeds), group=self.tp_group)
-            before = sum(len(p) for p, _ in requests[:dist.get_rank(self.tp_group)])
-            mine = slice(before, before + len(prompt_ids))
-            prompt_ids, seeds = [x for p, _ in requests for x in p], [x for _, s in requests for x in s]
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False, stop: Optional[list] = None,
+                 max_tokens: Optional[list[int]] = None) -> list[tuple[list[int], torch.Tensor, bool]]:
+        requests = list(zip(prompt_ids, seeds, stop or [None] * len(seeds), max_tokens or [None] * len(seeds)))
+        mine = slice(0, len(requests))
+        if self.tp_group is not None:  # the ranks of a TP group drive one engine: all pass all, each keeps its own
+            parts = [None] * dist.get_world_size(self.tp_group)
+            dist.all_gather_object(parts, requests, group=self.tp_group)
+            start = sum(map(len, parts[:dist.get_rank(self.tp_group)]))
+            requests, mine = [r for part in parts for r in part], slice(start, start + len(requests))
         # One SamplingParams per sample: with a seed shared by a prompt's samples, they would all be identical.
         params = [self.SamplingParams(temperature=0.0 if greedy else self.gen.temperature, top_p=self.gen.top_p,
-                                      top_k=self.gen.top_k or 0, max_tokens=self.gen.max_new_tokens,
-                                      logprobs=0, flat_logprobs=True, seed=s, detokenize=False) for s in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+                                      top_k=self.gen.top_k or 0, max_tokens=n or self.gen.max_new_tokens,
+                                      stop=stop, include_stop_str_in_output=True, detokenize=bool(stop), seed=s,
+                                      logprobs=0, flat_logprobs=True) for _, s, stop, n in requests]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, *_ in requests], params, use_tqdm=False)
         return [(list(o.token_ids), torch.tensor(o.logprobs.logprobs, dtype=torch.float32), o.finish_reason == "length")
                 for o in (out.outputs[0] for out in outputs[mine])]
 
@@ -703,9 +769,13 @@ class HFEngine:
         self.gen, self.chunk_size = cfg.policy.generation, cfg.policy.logprob_chunk_size
         self.metrics: dict[str, float] = {}
 
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int],
-                 greedy: bool = False) -> list[tuple[list[int], torch.Tensor, bool]]:
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool = False, stop: Optional[list] = None,
+                 max_tokens: Optional[list[int]] = None) -> list[tuple[list[int], torch.Tensor, bool]]:
+        """Stop strings are not supported here: turns run to EOS or to their token limit."""
+        if not prompt_ids:  # other ranks still generate: every forward of FSDP needs all ranks, so take part
+            return self.generate([[self.tokenizer.pad_token_id]], [0], greedy, max_tokens=[1])[:0]
         pad, width = self.tokenizer.pad_token_id, max(map(len, prompt_ids))
+        limits = torch.tensor(max_tokens or [self.gen.max_new_tokens] * len(prompt_ids), device=self.device)
         left = [width - len(p) for p in prompt_ids]  # left padding: every prompt ends at column `width`
         ids = torch.tensor([[pad] * n + p for n, p in zip(left, prompt_ids)], device=self.device)  # [B, width]
         attention_mask = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(left, prompt_ids)], device=self.device)
@@ -717,22 +787,24 @@ class HFEngine:
             sequences = self.model.generate(input_ids=ids, attention_mask=attention_mask, do_sample=not greedy,
                                             temperature=self.gen.temperature, top_p=self.gen.top_p,
                                             top_k=self.gen.top_k or 0, repetition_penalty=1.0,
-                                            max_new_tokens=self.gen.max_new_tokens, pad_token_id=pad,
+                                            max_new_tokens=int(limits.max()), pad_token_id=pad,
                                             synced_gpus=dist.get_world_size() > 1)  # FSDP: all ranks step together
         self.model.train()
         new = sequences[:, width:]  # [B, new]
         is_eos = torch.isin(new, torch.tensor(self.model.generation_config.eos_token_id, device=self.device)).int()
-        lengths = ((is_eos.cumsum(1) - is_eos) == 0).sum(1)  # tokens up to the first EOS, inclusive (else all)
+        lengths = ((is_eos.cumsum(1) - is_eos) == 0).sum(1).minimum(limits)  # up to the first EOS, within the limit
         completions = [new[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
+        ends_with_eos = is_eos.gather(1, lengths.unsqueeze(1) - 1).squeeze(1).tolist()
         # The sampler used these very weights: its logprobs are the policy's at temperature T. Recompute them in
         # fp32 chunks rather than keeping HF's per-step scores, a [B, new, vocab] tensor.
-        input_ids, token_mask, _ = pack_batch(prompt_ids, completions, [torch.zeros(len(c)) for c in completions], pad)
+        input_ids, token_mask, _ = pack_batch([Sample("", p, c, [0.0] * len(c), [1] * len(c))
+                                               for p, c in zip(prompt_ids, completions)], pad)
         with torch.no_grad():
             logprobs = policy_logprobs(self.model, input_ids.to(self.device), token_mask.to(self.device),
                                        self.gen.temperature, self.chunk_size).cpu()
         self.model.reshard()  # as after any no-grad forward
-        return [(c, logprobs[i, len(p):len(p) + len(c)], not is_eos[i].any().item())
-                for i, (p, c) in enumerate(zip(prompt_ids, completions))]
+        return [(c, logprobs[i, len(p):len(p) + len(c)], not eos)
+                for i, (p, c, eos) in enumerate(zip(prompt_ids, completions, ends_with_eos))]
 
     # It generates with the training weights themselves: nothing to wake, refit, put to sleep or shut down.
     prepare_for_generation = finish_generation = close = staticmethod(lambda *args, **kwargs: None)
@@ -854,10 +926,10 @@ def weight_buckets(model, bucket_bytes: float, dtype: torch.dtype, generator: Op
 
 
 # ======================================================================================================
-# Data and rewards
+# Data, rewards and environments
 # ======================================================================================================
-# A dataset is a list of {"prompt": str, "answer": Any}. A reward is a plain function
-# (prompt, completion, answer) -> float. Built-in tasks are procedural: no download.
+# A dataset is a list of {"prompt": str, "answer": Any}. A reward is a plain function (prompt, completion, answer)
+# -> float; an environment (multi-turn) a plain class: see LettersEnv. Built-in tasks are procedural: no download.
 
 def debug_task(n: int, seed: int) -> list[dict]:
     """Repeat one letter: learnable from random init in a few minutes on a CPU (the tiny-debug task)."""
@@ -884,7 +956,8 @@ def countdown_task(n: int, seed: int) -> list[dict]:
                      "answer": {"numbers": numbers, "target": int(target)}})
     return rows
 
-BUILTIN_TASKS = {"debug": debug_task, "arithmetic": arithmetic_task, "countdown": countdown_task}
+BUILTIN_TASKS = {"debug": debug_task, "letters": debug_task, "arithmetic": arithmetic_task,
+                 "countdown": countdown_task}
 
 def extract_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...}, braces balanced; None if there is none."""
@@ -922,29 +995,33 @@ def math_reward(prompt: str, completion: str, answer: Any) -> float:
         return float(a == b if a is not None and b is not None else pred.strip() == gold.strip())
     return float(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
 
-COUNTDOWN_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-                 ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+ARITHMETIC_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+                  ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+
+def arithmetic(expr: str, used: Optional[list] = None) -> Optional[Fraction]:
+    """The exact value of numbers joined by + - * / and parentheses, or None for anything else or over 100
+    characters (so bounded in time and size). Parsed with `ast` and a whitelist, never eval: hostile text gives
+    None, fast. `used` collects the numbers, in order."""
+    used = [] if used is None else used
+    def value(node) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            used.append(node.value)
+            return Fraction(str(node.value))
+        if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC_OPS:
+            return ARITHMETIC_OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError("not allowed")
+    if len(expr) > 100:
+        return None
+    with contextlib.suppress(SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return value(ast.parse(expr.strip(), mode="eval").body)
+    return None
 
 def countdown_reward(prompt: str, completion: str, answer: Any) -> float:
-    """1.0 if the boxed equation uses each given number once and equals the target. Parsed with `ast` and a
-    whitelist (integers, + - * /), never eval: hostile text scores 0, fast."""
-    expr = extract_boxed(completion)
-    if expr is None or len(expr) > 100:
-        return 0.0
-    expr = expr.split("=")[0]
-    used: list[int] = []
-    def value(node) -> Fraction:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            used.append(node.value)
-            return Fraction(node.value)
-        if isinstance(node, ast.BinOp) and type(node.op) in COUNTDOWN_OPS:
-            return COUNTDOWN_OPS[type(node.op)](value(node.left), value(node.right))
-        raise ValueError("not allowed")
-    try:
-        result = value(ast.parse(expr.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
-        return 0.0
-    return float(sorted(used) == sorted(answer["numbers"]) and result == answer["target"])
+    """1.0 if the boxed equation uses each given number once and equals the target."""
+    expr, used = extract_boxed(completion), []
+    result = arithmetic(expr.split("=")[0], used) if expr is not None else None
+    return float(result == answer["target"] and sorted(used) == sorted(answer["numbers"])
+                 and all(type(x) is int for x in used))
 
 def debug_reward(prompt: str, completion: str, answer: Any) -> float:
     """Fraction of the completion's characters that are the requested letter."""
@@ -961,51 +1038,114 @@ def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"env.reward_fn: cannot load '{cfg.env.reward_fn}' ({e})")
 
-def safe_reward(reward_fn, prompt: str, completion: str, answer: Any) -> tuple[float, Optional[str]]:
-    """(reward, None), or (0.0, why) when the reward raises or returns no finite number: a reward bug must not end
-    a days-long run, nor turn its group's advantages into NaN."""
-    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-    try:
-        value = reward_fn(prompt, completion, answer)
-    except Exception as e:
-        return 0.0, f"{name} raised {type(e).__name__}: {e}"
-    if isinstance(value, numbers.Real) and math.isfinite(value):
-        return float(value), None
-    return 0.0, f"{name} returned {value!r}, not a finite number"
+class RewardEnv:
+    """One turn, scored by a reward function (prompt, completion, answer) -> float: how env.reward_fn is run."""
+    def __init__(self, row: dict, reward_fn: Callable):
+        self.row, self.reward_fn, self.name = row, reward_fn, getattr(reward_fn, "__qualname__", repr(reward_fn))
 
-class RewardScorer:
-    """Scores samples with a reward function; one that raises gives 0 with a warning. With env.reward_timeout_s set,
-    rewards run in worker processes, and one past the timeout also gives 0 (its pool, stuck worker included, is
-    replaced). The run goes on either way."""
-    def __init__(self, reward_fn, timeout_s: Optional[float]):
-        self.reward_fn, self.timeout_s, self.pool = reward_fn, timeout_s, None
+    def step(self, text: str):
+        return None, self.reward_fn(self.row["prompt"], text, self.row["answer"]), True
+
+class LettersEnv:
+    """The multi-turn debug task: repeat the letter asked, then the next one, for 3 turns. Also the environment
+    contract, by example. An environment is a plain class, one instance per sample (it must pickle):
+      __init__(row)         start an episode from a data row ({"prompt", "answer", ...});
+      step(text)            the assistant's text of one turn -> (observation, reward, done): the text shown to the
+                            model next (None: nothing), this turn's reward, and whether the episode is over;
+      stop, role            optional: stop strings that end the next turn (kept in the output) and the chat role of
+                            the observations ("user" when absent).
+    A sample's reward is the sum of its turns'. An exception, a non-finite reward or a step past
+    env.reward_timeout_s ends the sample's episode with reward 0 and a warning, never the run."""
+    turns = 3
+
+    def __init__(self, row: dict):
+        self.letter, self.turn = row["answer"], 0
+
+    def step(self, text: str):
+        reward = debug_reward("", text, self.letter)
+        self.letter, self.turn = "abcd"[("abcd".index(self.letter) + 1) % 4], self.turn + 1
+        return f"Now repeat the letter {self.letter}.", reward, self.turn == self.turns
+
+class CalculatorEnv:
+    """A calculator tool for arithmetic and GSM8K: the model writes <calc>expression</calc> and the environment
+    answers with its value (`arithmetic`: + - * / only, never eval); a turn without a call ends the episode, scored
+    by its last \\boxed{} answer (math_reward)."""
+    stop = ["</calc>"]
+
+    def __init__(self, row: dict):
+        self.row = row
+
+    def step(self, text: str):
+        call = re.search(r"<calc>(.*?)</calc>", text, re.S)
+        if call is None:
+            return None, math_reward(self.row["prompt"], text, self.row["answer"]), True
+        value = arithmetic(call.group(1))
+        return "error" if value is None else f"{float(value):.10g}", 0.0, False
+
+BUILTIN_ENVS = {"letters": LettersEnv, "calculator": CalculatorEnv}
+
+def get_environment(cfg: Config) -> Callable[[dict], Any]:
+    """row -> a new environment: env.environment, else the task's own (letters: LettersEnv), else the reward as
+    one turn."""
+    name = cfg.env.environment or ("letters" if cfg.data.dataset_name == "letters" else None)
+    if name is None:
+        return functools.partial(RewardEnv, reward_fn=get_reward_fn(cfg))
+    if name in BUILTIN_ENVS:
+        return BUILTIN_ENVS[name]
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"env.environment: cannot load '{name}' ({e})")
+
+def safe_step(env, text: str) -> tuple:
+    """env.step(text) -> (env, observation, reward, done, error). An exception, or a reward that is not a finite
+    number, ends the episode with reward 0 and says why in `error`: a bug in a reward or an environment must not end
+    a days-long run, nor turn its group's advantages into NaN. The env comes back: in a worker, it stepped a copy."""
+    name = getattr(env, "name", f"{type(env).__qualname__}.step")
+    try:
+        observation, reward, done = env.step(text)
+    except Exception as e:
+        return env, None, 0.0, True, f"{name} raised {type(e).__name__}: {e}"
+    if isinstance(reward, numbers.Real) and math.isfinite(reward):
+        return env, observation, float(reward), bool(done), None
+    return env, None, 0.0, True, f"{name} returned {reward!r}, not a finite number"
+
+class EnvRunner:
+    """Steps environments (rewards are one-turn environments) through safe_step. With env.reward_timeout_s set,
+    steps run in worker processes, and one past the timeout also ends its episode with 0 (its pool, stuck worker
+    included, is replaced). The run goes on either way."""
+    def __init__(self, timeout_s: Optional[float]):
+        self.timeout_s, self.pool = timeout_s, None
         self.timed_out = f"no result within env.reward_timeout_s={timeout_s}"
         self.workers = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
-    def __call__(self, rows: list[dict], completions: list[str]) -> list[float]:
-        args = [(self.reward_fn, r["prompt"], c, r["answer"]) for r, c in zip(rows, completions)]
+    def __call__(self, steps: list[tuple]) -> list[tuple]:
+        """[(env, text)] -> [(env, observation, reward, done)]"""
         if not self.timeout_s:
-            results = [safe_reward(*a) for a in args]
+            results = [safe_step(*a) for a in steps]
         else:
-            self.pool = self.pool or self.start_pool()
-            futures = [self.pool.apply_async(safe_reward, a) for a in args]
-            deadline = time.monotonic() + self.timeout_s * math.ceil(len(args) / self.workers)  # every sample's turn
+            self.pool = self.pool or self.start_pool([env for env, _ in steps])
+            futures = [self.pool.apply_async(safe_step, a) for a in steps]
+            deadline = time.monotonic() + self.timeout_s * math.ceil(len(steps) / self.workers)  # every step's turn
             for f in futures:
                 f.wait(max(0.0, deadline - time.monotonic()))
-            results = [f.get() if f.ready() else (0.0, self.timed_out) for f in futures]
-            if any(error == self.timed_out for _, error in results):
+            results = [f.get() if f.ready() else (env, None, 0.0, True, self.timed_out)
+                       for f, (env, _) in zip(futures, steps)]
+            if any(r[-1] == self.timed_out for r in results):
                 self.close()  # a stuck worker may never come back: the next call starts a new pool
-        errors = [error for _, error in results if error]
+        errors = [r[-1] for r in results if r[-1]]
         if errors:
-            print(f"warning (rank {dist.get_rank()}): reward failed on {len(errors)} of {len(results)} samples, "
-                  f"scored 0 ({'; '.join(sorted(set(errors))[:5])})", file=sys.stderr, flush=True)
-        return [reward for reward, _ in results]
+            print(f"warning (rank {dist.get_rank()}): reward or environment failed on {len(errors)} of {len(results)} "
+                  f"samples, scored 0 ({'; '.join(sorted(set(errors))[:5])})", file=sys.stderr, flush=True)
+        return [r[:-1] for r in results]
 
-    def start_pool(self):
+    def start_pool(self, envs: list):
         # forkserver: workers are never forked from this process, with its engine and collective threads. The server
-        # imports the reward's module first, so that no worker spends a sample's time limit importing it.
+        # imports the environments' and rewards' modules first, so that no worker spends a step's time importing.
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([self.reward_fn.__module__])
+        context.set_forkserver_preload(sorted({type(e).__module__ for e in envs} |
+                                              {e.reward_fn.__module__ for e in envs if isinstance(e, RewardEnv)}))
         return context.Pool(self.workers)
 
     def close(self) -> None:
@@ -1265,16 +1405,15 @@ class Logger:
             self.tb.close()
 
 def sample_records(batch: RolloutBatch) -> list[dict]:
-    return [{"prompt": s.prompt, "completion": s.completion, "reward": s.reward, "shaped_reward": r,
-             "advantage": a, "truncated": s.truncated, "generation_logprobs": g[m > 0].tolist(),
-             "prev_logprobs": lp[m > 0].tolist()}
+    return [{"prompt": s.prompt, "turns": s.turns, "reward": s.reward, "shaped_reward": r, "advantage": a,
+             "end": s.end, "generation_logprobs": g[m > 0].tolist(), "prev_logprobs": lp[m > 0].tolist()}
             for s, r, a, g, lp, m in zip(batch.samples, batch.rewards.tolist(), batch.advantages.tolist(),
                                          batch.generation_logprobs.cpu(), batch.prev_logprobs.cpu(),
                                          batch.token_mask.cpu())]
 
 def print_samples(samples: list[dict], n: int) -> None:
     for s in samples[:n]:
-        print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> {s['completion']!r}")
+        print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> " + " | ".join(repr(t["text"]) for t in s["turns"]))
 
 def print_step(step: int, max_steps: int, metrics: dict) -> None:
     t = {k.removeprefix("timing/train/"): v for k, v in metrics.items() if k.startswith("timing/train/")}
@@ -1283,7 +1422,8 @@ def print_step(step: int, max_steps: int, metrics: dict) -> None:
     print0(f"step {step}/{max_steps} | reward {metrics['train/reward']:.4f} | loss {metrics['train/loss']:.4f} "
            f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} "
            f"| gen_len {metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: "
-           f"{metrics['perf/generated_tokens_per_s']:.0f} generated, {metrics['perf/trained_tokens_per_s']:.0f} trained "
+           f"{metrics['perf/generated_tokens_per_s']:.0f} generated, "
+           f"{metrics['perf/trained_tokens_per_s']:.0f} trained "
            f"| {total:.2f}s ({parts})")
 
 
@@ -1330,7 +1470,10 @@ def build_dataclass(cls, data, prefix: str = ""):
             raise ConfigError(f"unknown config key '{full}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         tp = hints[key]
         if isinstance(value, CommandLineValue):  # YAML, except that a str key takes text YAML reads otherwise as is
-            parsed = yaml.safe_load(value)
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                parsed = str(value)  # not YAML at all: fine for a str key, refused as the wrong type for others
             value = str(value) if str in (tp, *get_args(tp)) and not isinstance(parsed, (str, type(None))) else parsed
         if get_origin(tp) is Union:  # Optional[X]
             tp = None if value is None else get_args(tp)[0]
@@ -1516,6 +1659,11 @@ def gather_all(records: list) -> list:
     dist.all_gather_object(out, records)
     return [r for part in out for r in part]
 
+def all_reduce_max(value: int, device) -> int:
+    t = torch.tensor(value, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
 def all_reduce_sum(values: list[float], device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
@@ -1534,7 +1682,8 @@ class Run:
     tokenizer: Any
     train_rows: list[dict]
     val_rows: list[dict]
-    scorer: RewardScorer
+    make_env: Callable[[dict], Any]  # data row -> a new environment (one per sample)
+    runner: EnvRunner
     engine: Any                # VllmEngine or HFEngine
     policy: Any                # FSDP2 model
     reference: Any             # frozen initial policy for the KL term; None without one
@@ -1581,7 +1730,7 @@ def train(cfg: Config, d: Dist) -> None:
         if end_of_step(run, step, batch, metrics, times, stop_requested):
             break
     run.logger.close()
-    run.scorer.close()
+    run.runner.close()
     dist.barrier()
     run.engine.close()  # last: vLLM's shutdown destroys the default process group
     if dist.is_initialized():
@@ -1594,7 +1743,7 @@ def setup(cfg: Config, d: Dist) -> Run:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     try:
         train_rows, val_rows = load_datasets(cfg)
-        scorer = RewardScorer(get_reward_fn(cfg), cfg.env.reward_timeout_s)
+        make_env = get_environment(cfg)
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
         val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:
@@ -1627,8 +1776,8 @@ def setup(cfg: Config, d: Dist) -> Run:
     print0(f"model {cfg.policy.model_name}, {d.world_size} rank(s) on {d.device.type}, backend "
            f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
            f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation")
-    return Run(cfg, d, tokenizer, train_rows, val_rows, scorer, engine, policy, reference, optimizer, scheduler,
-               sampler, Logger(cfg), StopRequest(), info,
+    return Run(cfg, d, tokenizer, train_rows, val_rows, make_env, EnvRunner(cfg.env.reward_timeout_s), engine, policy,
+               reference, optimizer, scheduler, sampler, Logger(cfg), StopRequest(), info,
                stale=resume_from is not None)  # the engine loaded the initial weights, not the checkpoint's
 
 def fill_logprobs(run: Run, batch: RolloutBatch) -> None:

@@ -6,6 +6,7 @@ plain python and under torchrun. `python test_grpo.py WORKER` runs one of the wo
 """
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import weakref
 
 import pytest
@@ -211,7 +213,8 @@ def test_overlong_reward_shaping_hand_values():
                                    "grpo.reward_shaping.enabled=true",
                                    "grpo.reward_shaping.overlong_buffer_length=4",
                                    "grpo.reward_shaping.overlong_buffer_penalty=0.5"])  # max_new_tokens 16
-    samples = [grpo.Sample("p", [1], [5] * n, torch.zeros(n), n == 16, reward=1.0) for n in (8, 12, 13, 14, 16)]
+    samples = [grpo.Sample("p", [1], [5] * n, [0.0] * n, [1] * n, reward=1.0, end="truncated" if n == 16 else "done")
+               for n in (8, 12, 13, 14, 16)]
     batch = grpo.make_batch(samples, cfg, 0, "cpu")
     # the penalty grows linearly over the last 4 tokens of 16: -(L - 12) / 4 x 0.5, never positive
     assert batch.rewards.tolist() == pytest.approx([1.0, 1.0, 0.875, 0.75, 0.5])
@@ -239,8 +242,9 @@ def test_masked_tokens_and_global_normalizer():
 
 def test_pack_batch_trains_eos_when_pad_is_eos():
     eos = pad = 2
-    ids, mask, lps = grpo.pack_batch([[5, 6, 7], [5]], [[9, eos], [8, 9, 9, eos]],
-                                     [torch.tensor([-0.1, -0.2]), torch.tensor([-1.0, -2.0, -3.0, -4.0])], pad)
+    ids, mask, lps = grpo.pack_batch([grpo.Sample("", [5, 6, 7], [9, eos], [-0.1, -0.2], [1, 1]),
+                                      grpo.Sample("", [5], [8, 9, 9, eos], [-1.0, -2.0, -3.0, -4.0], [1, 1, 1, 1])],
+                                     pad)
     assert ids.tolist() == [[5, 6, 7, 9, eos], [5, 8, 9, 9, eos]]
     assert mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]  # the EOS is trained although it equals pad
     assert lps[0, 4].item() == pytest.approx(-0.2) and lps[1, 0].item() == 0.0
@@ -324,9 +328,12 @@ def test_config_errors_in_process():
         grpo.load_config(["--fast"])
     with pytest.raises(grpo.ConfigError, match=r"loss_fn.ratio_clip_min must be in \[0, 1\), got -0.5"):
         grpo.load_config(["loss_fn.ratio_clip_min=-0.5"])
+    with pytest.raises(grpo.ConfigError, match=r"grpo.seed.*expected int, got str \('\[1,'\)"):
+        grpo.load_config(["grpo.seed=[1,"])  # not YAML at all
     cfg = grpo.load_config(TINY + ["--config", os.path.join(HERE, "config.yaml"), "data.prompt_template={}",
-                                   "data.system_prompt=null", "data.input_key=a: b"])  # --config anywhere; raw str
-    assert (cfg.data.prompt_template, cfg.data.system_prompt, cfg.data.input_key) == ("{}", None, "a: b")
+                                   "data.system_prompt=null", "data.input_key=a: b", "data.output_key=x: <y>. z: w"])
+    assert (cfg.data.prompt_template, cfg.data.system_prompt, cfg.data.input_key, cfg.data.output_key) == (
+        "{}", None, "a: b", "x: <y>. z: w")  # --config anywhere; a str key takes raw text, even text YAML refuses
     cfg = grpo.load_config(TINY + ["policy.optimizer.lr=1e-4", "grpo.num_prompts_per_step=32"])
     assert cfg.policy.optimizer.lr == 1e-4  # "1e-4" is a string to PyYAML; accepted for a float
     assert cfg.grpo.num_prompts_per_step == 32  # the command line beats the tiny-debug preset
@@ -433,19 +440,41 @@ def flaky_reward(prompt, completion, answer):
     return 1.0
 
 
+class FlakyEnv:
+    """Two turns: raises on 'x', hangs on 'sleep', else observes 'again' and rewards 0.5 per turn."""
+    def __init__(self, row):
+        self.turn = 0
+
+    def step(self, text):
+        if text == "x":
+            raise KeyError("no x")
+        if text == "sleep":
+            time.sleep(60)
+        self.turn += 1
+        return "again", 0.5, self.turn == 2
+
+
 @pytest.mark.parametrize("timeout", [None, 1.0])
-def test_reward_that_raises_or_hangs_scores_zero(dist_world, timeout, capfd):
-    scorer = grpo.RewardScorer(flaky_reward, timeout)
-    rows = [{"prompt": "p", "answer": None}] * 6
-    completions = ["ok", "x", "sleep" if timeout else "ok", "ok", "nan", "str"]
+def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, timeout, capfd):
+    runner = grpo.EnvRunner(timeout)
+    row = {"prompt": "p", "answer": None}
+    texts = ["ok", "x", "sleep" if timeout else "ok", "ok", "nan", "str"]
     start = time.perf_counter()
-    assert scorer(rows, completions) == [1.0, 0.0, 0.0 if timeout else 1.0, 1.0, 0.0, 0.0]
-    elapsed = time.perf_counter() - start
+    results = runner([(grpo.RewardEnv(row, flaky_reward), t) for t in texts])
+    assert [reward for _, _, reward, _ in results] == [1.0, 0.0, 0.0 if timeout else 1.0, 1.0, 0.0, 0.0]
+    assert all(done for *_, done in results)
     err = capfd.readouterr().err
     assert "flaky_reward raised ValueError: cannot parse x" in err and ("reward_timeout_s=1.0" in err) == bool(timeout)
     assert "flaky_reward returned nan, not a finite number" in err and "flaky_reward returned '1.0'" in err
-    assert scorer(rows[:1], ["ok"]) == [1.0]  # a replaced pool works
-    scorer.close()
+    # an environment: its state comes back from the worker; a failing step ends that episode only
+    envs = [FlakyEnv(row) for _ in range(3)]
+    first = runner([(env, t) for env, t in zip(envs, ["ok", "x", "sleep" if timeout else "ok"])])
+    assert [r[1:] for r in first] == [("again", 0.5, False), (None, 0.0, True),
+                                      (None, 0.0, True) if timeout else ("again", 0.5, False)]
+    assert runner([(first[0][0], "ok")])[0][1:] == ("again", 0.5, True)  # its second turn: the state travelled
+    assert "FlakyEnv.step raised KeyError: 'no x'" in capfd.readouterr().err
+    runner.close()
+    elapsed = time.perf_counter() - start
     print(f"timeout={timeout}: scored in {elapsed:.2f} s")
     assert elapsed < 10
 
@@ -487,16 +516,18 @@ LENGTHS_BATCH = ([[1, 40, 41, 42], [1, 40], [1, 43, 44], [1, 45, 46, 47, 48], [1
 
 
 def debug_rollout(engine, rows, tokenizer, cfg, seeds, device) -> grpo.RolloutBatch:
-    """8 samples of each row's prompt, scored by the debug task's reward, as one batch."""
-    samples = grpo.generate_samples(engine, rows, tokenizer, grpo.RewardScorer(grpo.debug_reward, None), seeds, 8)
-    return grpo.make_batch(samples, cfg, tokenizer.pad_token_id, device)
+    """8 samples of each row's prompt, with the config's environment (the debug task's reward), as one batch."""
+    run = types.SimpleNamespace(cfg=cfg, engine=engine, tokenizer=tokenizer, d=types.SimpleNamespace(device=device),
+                                make_env=grpo.get_environment(cfg), runner=grpo.EnvRunner(None))
+    return grpo.make_batch(grpo.generate_samples(run, rows, seeds, 8), cfg, tokenizer.pad_token_id, device)
 
 
 def small_batch(seed: int = 0) -> grpo.RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     prompts, lengths = LENGTHS_BATCH
     completions = [torch.randint(5, 90, (n,), generator=g).tolist() for n in lengths]
-    ids, mask, gen_lp = grpo.pack_batch(prompts, completions, [torch.zeros(len(c)) for c in completions], 0)
+    ids, mask, gen_lp = grpo.pack_batch([grpo.Sample("", p, c, [0.0] * len(c), [1] * len(c))
+                                         for p, c in zip(prompts, completions)], 0)
     return grpo.RolloutBatch(ids, mask, gen_lp, torch.zeros(6), torch.randn(6, generator=g), torch.zeros(6, dtype=bool),
                              [])
 
@@ -804,6 +835,98 @@ def precision_worker():
     engine.close()
 
 
+class LongObservationEnv:
+    """Answers every turn with an observation longer than the sequence budget."""
+    def __init__(self, row):
+        pass
+
+    def step(self, text):
+        return "x" * 1000, 0.0, False
+
+
+class StopAtAEnv:
+    """Three turns, each stopped by the stop string "a" (kept in the output)."""
+    stop = ["a"]
+
+    def __init__(self, row):
+        pass
+
+    def step(self, text):
+        return "go on", float(text.endswith("a")), False
+
+
+MULTITURN = TINY + ["data.dataset_name=letters", "grpo.max_rollout_turns=3", "policy.max_total_sequence_length=256"]
+
+
+def multiturn_worker():
+    """`python test_grpo.py multiturn_worker`: the letters task over 3 turns with the real engine, after a training
+    step and a refit. Checks that the loss mask is exactly the assistant's tokens of every turn, as the engine
+    generated them from exactly the sequence so far; that the observations are the chat template's; that the
+    trainer's logprobs equal the engine's; and that an observation that does not fit is cut. Prints one JSON line."""
+    cfg = grpo.load_config(MULTITURN + ["policy.optimizer.lr=0.01"])
+    d = grpo.setup_distributed()
+    path = grpo.resolve_model_path(cfg, d.local_rank)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = grpo.VllmEngine(path, cfg)
+    policy = grpo.load_policy(path, cfg, d.device, trainable=True)
+    optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
+    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 1, 0, 64), d.device)
+    batch.prev_logprobs = grpo.batched_logprobs(policy, batch, cfg)
+    grpo.train_step(policy, optimizer, scheduler, batch, cfg, d.device)
+    engine.prepare_for_generation(policy, stale=True, version=1)
+    calls = []  # per engine call (one per turn): the (prompt, output) token pairs it saw
+    engine_generate = engine.generate
+
+    def spy(prompt_ids, seeds, greedy=False, **kwargs):
+        outputs = engine_generate(prompt_ids, seeds, greedy, **kwargs)
+        calls.append({(tuple(p), tuple(ids)) for p, (ids, _, _) in zip(prompt_ids, outputs)})
+        return outputs
+    engine.generate = spy
+    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 2, 0, 64), d.device)
+    n_calls = len(calls)
+    logprob_error = ((grpo.batched_logprobs(policy, batch, cfg) - batch.generation_logprobs).abs()
+                     * batch.token_mask).max().item()
+    as_generated = observations_ok = mask_ok = True
+    for i, s in enumerate(batch.samples):
+        full, p = s.prompt_ids + s.completion_ids, len(s.prompt_ids)
+        mask_ok &= batch.token_mask[i, p:p + len(s.trained)].tolist() == s.trained and batch.token_mask[i].sum() == \
+            sum(s.trained) and all(lp == 0 for lp, t in zip(s.generation_logprobs, s.trained) if not t)
+        runs = [list(g) for _, g in itertools.groupby(range(len(s.trained)), key=lambda j: s.trained[j])]
+        for turn, run_ in enumerate(runs):
+            start, end = p + run_[0], p + run_[-1] + 1
+            if turn % 2 == 0:  # the assistant's: what the engine returned for exactly the sequence before it
+                as_generated &= (tuple(full[:start]), tuple(full[start:end])) in calls[turn // 2]
+            else:  # the environment's: the chat template's end of turn (if not generated), message, next header
+                eos = full[start - 1] == tokenizer.eos_token_id
+                expected = (("" if eos else "<|im_end|>") + "\n<|im_start|>user\n" + s.turns[turn]["text"]
+                            + "<|im_end|>\n<|im_start|>assistant\n")
+                observations_ok &= tokenizer.decode(full[start:end]) == expected
+    turns = [sum(t["role"] == "assistant" for t in s.turns) for s in batch.samples]
+    cfg_long = grpo.load_config(MULTITURN + ["env.environment=test_grpo:LongObservationEnv"])
+    long = debug_rollout(engine, rows, tokenizer, cfg_long, grpo.sample_seeds(0, 3, 0, 64), d.device)
+    cut = all(len(s.prompt_ids) + len(s.completion_ids) == 256 and s.end == "truncated" and s.trained[-1] == 0
+              and len(s.turns) == 2 for s in long.samples)
+    cfg_stop = grpo.load_config(MULTITURN + ["env.environment=test_grpo:StopAtAEnv"])
+    stopped = debug_rollout(engine, rows, tokenizer, cfg_stop, grpo.sample_seeds(0, 4, 0, 64), d.device)
+    texts = [t["text"] for s in stopped.samples for t in s.turns if t["role"] == "assistant"]
+    stops_ok = all(t.find("a") in (-1, len(t) - 1) for t in texts) and sum(t.endswith("a") for t in texts) >= 10
+    print(json.dumps({"stops_ok": stops_ok, "logprob_error": logprob_error, "as_generated": as_generated, "mask_ok": bool(mask_ok),
+                      "observations_ok": observations_ok, "turns": sorted(set(turns)), "observation_cut": cut,
+                      "ends": sorted({s.end for s in batch.samples}), "calls": n_calls}))
+    engine.close()
+
+
+def test_multi_turn_masks_observations_and_logprobs_line_up():
+    result = run([__file__, "multiturn_worker"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = last_json_line(result.stdout)
+    print(f"multi-turn, 64 samples x 3 turns after a refit: {r}")
+    assert r["as_generated"] and r["mask_ok"] and r["observations_ok"] and r["observation_cut"] and r["stops_ok"]
+    assert r["turns"] == [3] and r["calls"] == 3 and r["logprob_error"] < 1e-5
+
+
 def test_engine_follows_the_trainer_at_the_default_precision():
     result = run([__file__, "precision_worker"])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -838,9 +961,9 @@ def test_vllm_end_to_end_learns(one_rank_run):
     assert [m["step"] for m in metrics if "validation/accuracy" in m] == [10, 20, 30]
     assert all(m["validation/pass@1"] == m["validation/accuracy"] for m in metrics if "validation/accuracy" in m)
     samples = [json.loads(line) for line in open(os.path.join(log_dir, "train_data_step30.jsonl"))]
-    assert len(samples) == 128 and {"prompt", "completion", "reward", "advantage"} <= set(samples[0])
+    assert len(samples) == 128 and {"prompt", "turns", "reward", "advantage", "end"} <= set(samples[0])
     val_samples = [json.loads(line) for line in open(os.path.join(log_dir, "val_data_step30.jsonl"))]
-    assert len(val_samples) == 64 and {"prompt", "completion", "reward"} <= set(val_samples[0])
+    assert len(val_samples) == 64 and {"prompt", "turns", "reward"} <= set(val_samples[0])
     assert "step 30/30 | reward" in stdout
     # checkpoints 10, 20, 30 (keep_top_k=3); the last one holds the Hugging Face export
     assert sorted(os.listdir(log_dir / "checkpoints")) == ["step_10", "step_20", "step_30"]
@@ -949,7 +1072,7 @@ def test_resume_is_exact_two_ranks(two_rank_runs):
     by_prompt = {}
     for line in open(two_rank_runs[1] / "val_data_step6.jsonl"):
         sample = json.loads(line)
-        by_prompt.setdefault(sample["prompt"], set()).add(sample["completion"])
+        by_prompt.setdefault(sample["prompt"], set()).add(sample["turns"][0]["text"])
     assert len(by_prompt) == 4 and all(len(c) == 1 for c in by_prompt.values())
 
 
@@ -1090,6 +1213,45 @@ def test_tensor_parallel_two_learns_like_one(one_rank_run, tmp_path):
     metrics = read_metrics(tmp_path)[-1]
     assert metrics["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4)  # fp32: engine == trainer
     assert metrics["refit/gb"] > 0 and metrics["timing/train/refit"] > 0
+
+
+@pytest.fixture(scope="module")
+def multiturn_run(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("multiturn")
+    result = run(["grpo.py"] + MULTITURN + ["grpo.max_num_steps=30", "grpo.val_period=0", f"logger.log_dir={log_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return log_dir, read_metrics(log_dir)
+
+
+def test_multi_turn_learns(multiturn_run):
+    log_dir, metrics = multiturn_run
+    rewards = [m["train/reward"] for m in metrics]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    keys = ("avg_turns_per_sample", "max_turns_per_sample", "natural_termination_rate", "truncation_rate",
+            "max_turns_reached_rate", "mean_env_tokens_per_sample")
+    print(f"letters, 3 turns: mean reward (sum of 3 turns) steps 1-5 {first:.3f}, steps 26-30 {last:.3f}; step 30: "
+          + ", ".join(f"{k} {metrics[-1]['train/' + k]:.3f}" for k in keys))
+    assert last > first + 0.1
+    assert metrics[-1]["train/avg_turns_per_sample"] == 3 and metrics[-1]["train/mean_env_tokens_per_sample"] > 80
+    sample = json.loads(open(log_dir / "train_data_step30.jsonl").readline())
+    assert [t["role"] for t in sample["turns"]] == ["assistant", "user", "assistant", "user", "assistant"]
+    assert sample["turns"][1]["text"].startswith("Now repeat the letter ")
+
+
+def test_multi_turn_two_ranks_match_one_and_resume_exactly(multiturn_run, tmp_path):
+    """Turns in lockstep over ranks, a seed per sample and turn: 2 ranks reproduce 1 rank, and a 2-rank run stopped
+    after step 2 and resumed reproduces the uninterrupted one."""
+    two, resumed = tmp_path / "two", tmp_path / "resumed"
+    common = MULTITURN + ["grpo.val_period=0", "checkpointing.save_period=2"]
+    for log_dir, steps in ((two, 4), (resumed, 2), (resumed, 4)):
+        result = run(["grpo.py"] + common + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"], ranks=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two, resumed = multiturn_run[1][:4], read_metrics(two), read_metrics(resumed)
+    for a, b, c in zip(one, two, resumed):
+        for key in ("train/reward", "train/loss", "train/avg_turns_per_sample", "train/mean_env_tokens_per_sample"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5) and c[key] == pytest.approx(b[key], abs=1e-6)
+    print(f"multi-turn, 2 ranks vs 1 rank, resumed vs not, max |diff| over steps 1-4: "
+          f"{max_diffs(one, two)}, {max_diffs(two, resumed)}")
 
 
 def test_hf_backend_end_to_end(tmp_path):
