@@ -127,6 +127,15 @@ class TokenBudgetConfig:  # policy.dynamic_batching (padded micro-batches) and p
     logprob_mb_tokens: Optional[int] = knob(None, ">0")  # same for logprob passes; null: seq length x logprob batch
 
 @dataclass
+class LoraConfig:  # policy.lora: adapters W + (B @ A) x alpha / dim on frozen base weights
+    enabled: bool = knob(False)  # train the adapters only: no gradients, no AdamW state for the base weights
+    dim: int = knob(8, ">0")  # rank r: A is [r, in], B is [out, r]
+    alpha: float = knob(32.0, ">0")  # the update is scaled by alpha / dim
+    dropout: float = knob(0.0, "[0,1)")  # dropout on the adapters' input (in every policy forward)
+    target_modules: list = knob([])  # with match_all_linear false: the layers to adapt, e.g. [q_proj, v_proj]
+    match_all_linear: bool = knob(True)  # adapt every linear layer of the decoder (never the LM head)
+
+@dataclass
 class PolicyConfig:
     model_name: str = knob("Qwen/Qwen2.5-1.5B-Instruct")  # HF name or local path; "tiny-debug": a tiny random model
     train_global_batch_size: int = knob(512, ">0")  # samples per optimizer update, all ranks
@@ -141,6 +150,7 @@ class PolicyConfig:
     refit_buffer_size_gb: float = knob(2.0, ">0")  # GiB of weights gathered per bucket when refitting vLLM
     dynamic_batching: TokenBudgetConfig = field(default_factory=TokenBudgetConfig)
     sequence_packing: TokenBudgetConfig = field(default_factory=lambda: TokenBudgetConfig(enabled=True))
+    lora: LoraConfig = field(default_factory=LoraConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
@@ -202,6 +212,7 @@ TINY_DEBUG_PRESET = {
     "loss_fn": {"reference_policy_kl_penalty": 0.0},
     "policy": {"train_global_batch_size": 64, "train_micro_batch_size": 16, "logprob_batch_size": 32,
                "max_total_sequence_length": 64, "precision": "float32",
+               "lora": {"target_modules": ["lm_head"]},  # with LoRA: this model learns its task in its LM head
                "optimizer": {"lr": 3.0e-3, "weight_decay": 0.0, "warmup_steps": 1},
                "generation": {"max_new_tokens": 16, "vllm_cfg": {"enforce_eager": True}}},
     "data": {"dataset_name": "debug", "prompt_template": "{}"},
@@ -852,6 +863,48 @@ def resolve_model_path(cfg: Config, local_rank: int) -> str:
     dist.barrier()
     return path
 
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer plus a trained low-rank update: base(x) + B(A(dropout(x))) x alpha / r. A keeps
+    nn.Linear's Kaiming-uniform init and B starts at zero, so step 0 is the base model. With `enabled` False it is
+    the base model: the reference policy of the KL term, without a second copy of the weights."""
+    def __init__(self, base: torch.nn.Linear, cfg: LoraConfig):
+        super().__init__()
+        self.base, self.scale, self.enabled = base, cfg.alpha / cfg.dim, True
+        self.dropout = torch.nn.Dropout(cfg.dropout)
+        self.lora_A = torch.nn.Linear(base.in_features, cfg.dim, bias=False, device=base.weight.device)
+        self.lora_B = torch.nn.Linear(cfg.dim, base.out_features, bias=False, device=base.weight.device)
+        torch.nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        y = self.base(x)
+        return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scale if self.enabled else y
+
+def add_lora(model, cfg: LoraConfig) -> list[str]:
+    """Wraps the decoder's linear layers (all, or those named in target_modules) in LoRALinear; their names."""
+    adapted = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            head = child is model.get_output_embeddings()  # only when named: it is not in "all linear"
+            if isinstance(child, torch.nn.Linear) and (name in cfg.target_modules or cfg.match_all_linear and not head):
+                if head and model.config.tie_word_embeddings:
+                    raise ValueError("policy.lora.target_modules: the LM head is tied to the embedding here; "
+                                     "adapting it would untie them")
+                setattr(parent, name, LoRALinear(child, cfg))
+                adapted.append(name)
+    return sorted(set(adapted))
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model for a while: every LoRA update switched off (a no-op without LoRA)."""
+    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in adapters:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in adapters:
+            m.enabled = True
+
 def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
     """HF model -> FSDP2: each decoder layer is one shard unit, the root holds embeddings and head. Built on the meta
     device and sharded first; rank 0 alone reads the checkpoint into host RAM and broadcasts it, so host memory does
@@ -863,6 +916,9 @@ def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     with contextlib.suppress(OSError):  # HFEngine and the export use it
         model.generation_config = GenerationConfig.from_pretrained(path)
+    lora = cfg.policy.lora.enabled and trainable
+    if lora:
+        add_lora(model, cfg.policy.lora)
     if cfg.policy.activation_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -874,17 +930,21 @@ def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
     fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device=device)
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if dist.get_rank() == 0 else None
+    if lora and full is not None:
+        add_lora(full, cfg.policy.lora)  # the adapters' initial values come from rank 0 too
     set_model_state_dict(model, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, buffer in model.named_buffers():  # not in the state dict (rotary inv_freq): from rank 0 too
         if full is not None:
             buffer.copy_(full.get_buffer(name))
         dist.broadcast(buffer, src=0)
-    return model.requires_grad_(trainable).train(trainable)
+    for name, param in model.named_parameters():
+        param.requires_grad_(trainable and (not lora or ".lora_" in name))
+    return model.train(trainable)
 
 def make_optimizer(model, cfg: OptimizerConfig):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=tuple(cfg.betas), eps=cfg.eps)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,  # LoRA: adapters only
+                                  weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     return optimizer, scheduler
 
@@ -904,6 +964,17 @@ def weight_buckets(model, bucket_bytes: float, dtype: torch.dtype, generator: Op
     from transformers.core_model_loading import revert_weight_conversion
     from torch.distributed.fsdp import FSDPModule
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
+    adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    cast = functools.partial(stochastic_round, generator=generator) if generator is not None else lambda t: t.to(dtype)
+
+    def merged(bucket: dict) -> dict:  # LoRA: W + (B @ A) x scale in fp32, under the base layer's own names
+        for prefix, scale in adapters.items():
+            if prefix + "base.weight" in bucket:
+                lora_a, lora_b = bucket.pop(prefix + "lora_A.weight"), bucket.pop(prefix + "lora_B.weight")
+                bucket[prefix + "weight"] = bucket.pop(prefix + "base.weight") + (lora_b @ lora_a) * scale
+                if prefix + "base.bias" in bucket:
+                    bucket[prefix + "bias"] = bucket.pop(prefix + "base.bias")
+        return revert_weight_conversion(model, {k: cast(v) for k, v in bucket.items()} if adapters else bucket)
 
     def unit(item):  # the decoder layer a parameter belongs to; "" for the root's (embeddings, final norm, head)
         return next((layer for layer in layers if item[0].startswith(layer)), "")
@@ -912,17 +983,17 @@ def weight_buckets(model, bucket_bytes: float, dtype: torch.dtype, generator: Op
         params = list(params)
         nbytes = sum(p.numel() for _, p in params) * dtype.itemsize  # a DTensor's numel is the full one
         if bucket and size + nbytes > bucket_bytes:
-            yield list(revert_weight_conversion(model, bucket).items())
+            yield list(merged(bucket).items())
             bucket, size = {}, 0
         for name, param in params:
             local = (param.to_local() if isinstance(param, DTensor) else param).detach()
-            local = stochastic_round(local, generator) if generator is not None else local.to(dtype)
+            local = local if adapters else cast(local)  # before the gather: half the traffic (LoRA: after merging)
             bucket[name] = (DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
                                                stride=param.stride()).full_tensor()
                             if isinstance(param, DTensor) else local)
         size += nbytes
     if bucket:
-        yield list(revert_weight_conversion(model, bucket).items())
+        yield list(merged(bucket).items())
 
 
 # ======================================================================================================
@@ -1248,7 +1319,8 @@ class Sampler:
 # Keys that change the data order or the model: resuming across a change to one of them is refused.
 RESUME_KEYS = ["policy.model_name", "grpo.seed", "grpo.num_prompts_per_step", "data.dataset_name",
                "data.dataset_config", "data.split", "data.shuffle", "data.input_key", "data.prompt_template",
-               "data.system_prompt", "policy.max_total_sequence_length", "policy.generation.max_new_tokens"]
+               "data.system_prompt", "policy.max_total_sequence_length", "policy.generation.max_new_tokens",
+               "policy.lora.enabled", "policy.lora.dim", "policy.lora.target_modules", "policy.lora.match_all_linear"]
 
 def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
     names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
@@ -1294,14 +1366,36 @@ def export_hf(model, tokenizer, out_dir: str, dtype: torch.dtype, bucket_bytes: 
         for part in (model.config, model.generation_config, tokenizer):
             part.save_pretrained(out_dir)
 
+def trained_state(policy, optimizer) -> dict:
+    """A checkpoint's model and optimizer state: every parameter, or with LoRA the adapters alone (the frozen base
+    is the model's own files), sharded as they are."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, optim_state = get_state_dict(policy, optimizer)
+    frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
+    return {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optim": optim_state}
+
+def export_adapters(policy, out_dir: str, cfg: Config) -> None:
+    """The LoRA adapters alone in PEFT's format (adapter_config.json + adapter_model.safetensors), which `peft`
+    loads on the base model. All ranks gather; rank 0 writes."""
+    from safetensors.torch import save_file
+    lora = cfg.policy.lora
+    tensors = {f"base_model.model.{n}": (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().contiguous()
+               for n, p in policy.named_parameters() if ".lora_" in n}
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+        modules = sorted({n.split(".")[-3] for n in tensors})
+        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": cfg.policy.model_name,
+                       "r": lora.dim, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+                       "target_modules": modules, "fan_in_fan_out": False, "inference_mode": True}, f, indent=1)
+
 def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, tokenizer, export: bool) -> str:
     """Every rank writes its shards and RNG state into tmp_step_N; rank 0 adds the rest and renames it."""
     from torch.distributed.checkpoint import save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     ckpt, rank = cfg.checkpointing, dist.get_rank()
     tmp, final = (os.path.join(ckpt.checkpoint_dir, f"{prefix}step_{step}") for prefix in ("tmp_", ""))
-    model_state, optim_state = get_state_dict(policy, optimizer)
-    save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "policy"))
+    save(trained_state(policy, optimizer), checkpoint_id=os.path.join(tmp, "policy"))
     rng = {"python": random.getstate(), "numpy": [x.tolist() if isinstance(x, np.ndarray) else x
                                                   for x in np.random.get_state()], "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -1309,6 +1403,8 @@ def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, token
     if export:
         export_hf(policy, tokenizer, os.path.join(tmp, "hf"), getattr(torch, cfg.policy.precision),
                   cfg.policy.refit_buffer_size_gb * 2**30)
+        if cfg.policy.lora.enabled:
+            export_adapters(policy, os.path.join(tmp, "hf_adapter"), cfg)
     dist.barrier()  # every rank's files are written
     if rank == 0:
         with open(os.path.join(tmp, "training_info.json"), "w") as f:
@@ -1337,11 +1433,11 @@ def prune_checkpoints(ckpt: CheckpointingConfig) -> None:
 def load_checkpoint(path: str, policy, optimizer, scheduler, sampler: Sampler) -> dict:
     """Model and optimizer (resharded by DCP to this run's ranks), LR schedule, sampler and RNG states."""
     from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model_state, optim_state = get_state_dict(policy, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    state = trained_state(policy, optimizer)
     load(state, checkpoint_id=os.path.join(path, "policy"))
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))  # LoRA: the base weights are not in it
     with open(os.path.join(path, "training_info.json")) as f:
         info = json.load(f)
     scheduler.load_state_dict(info["scheduler"])
@@ -1531,6 +1627,8 @@ def check_config(cfg: Config, world_size: int) -> None:
          "loss_fn.use_importance_sampling_correction needs the trainer's own logprobs: it cannot be combined with "
          "loss_fn.use_generation_logprobs_as_prev"),
         (len(p.optimizer.betas) == 2, "policy.optimizer.betas must have two values"),
+        (not p.lora.enabled or p.lora.match_all_linear or p.lora.target_modules,
+         "policy.lora.target_modules is empty and policy.lora.match_all_linear is false: nothing to adapt"),
         (not (loss.sequence_level_importance_ratios and loss.token_level_loss),
          "loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false"),
         ((loss.truncated_importance_sampling_ratio_min or 0) <= (loss.truncated_importance_sampling_ratio or math.inf),
@@ -1762,8 +1860,9 @@ def setup(cfg: Config, d: Dist) -> Run:
     engine = VllmEngine(model_path, cfg) if cfg.policy.generation.backend == "vllm" else None
     transformers.set_seed(g.seed)  # python, numpy and torch
     policy = load_policy(model_path, cfg, d.device, trainable=True)
-    reference = (load_policy(model_path, cfg, d.device, trainable=False)
-                 if cfg.loss_fn.reference_policy_kl_penalty > 0 else None)
+    reference = None  # the initial policy: LoRA's base model (adapters off), else a frozen copy
+    if cfg.loss_fn.reference_policy_kl_penalty > 0:
+        reference = policy if cfg.policy.lora.enabled else load_policy(model_path, cfg, d.device, trainable=False)
     engine = engine or HFEngine(policy, tokenizer, cfg, d.device)
     optimizer, scheduler = make_optimizer(policy, cfg.policy.optimizer)
     sampler = Sampler(len(train_rows), g.seed, cfg.data.shuffle)
@@ -1785,7 +1884,8 @@ def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
     when one rollout makes several updates; with one, train_step reads it off the training forward."""
     cfg, g = run.cfg, run.cfg.grpo
     if run.reference is not None:
-        batch.reference_logprobs = batched_logprobs(run.reference, batch, cfg)
+        with adapters_off(run.reference) as reference:
+            batch.reference_logprobs = batched_logprobs(reference, batch, cfg)
     if cfg.loss_fn.use_generation_logprobs_as_prev:  # skips a forward pass (see config.yaml)
         batch.prev_logprobs = batch.generation_logprobs
     elif g.num_prompts_per_step * g.num_generations_per_prompt > cfg.policy.train_global_batch_size:

@@ -571,11 +571,48 @@ def test_overlong_filtering_trains_as_if_truncated_samples_were_absent(dist_worl
     part = grpo.RolloutBatch(*(t[keep] for t in (batch.input_ids, batch.token_mask, batch.generation_logprobs,
                                                  batch.rewards, batch.advantages, batch.truncated)), [])
     filtered = _grad_norm_and_loss(grpo.load_config(common + [
-        "grpo.num_prompts_per_step=6", "policy.train_global_batch_size=6", "grpo.overlong_filtering=true"]), path, batch)
+        "grpo.num_prompts_per_step=6", "policy.train_global_batch_size=6", "grpo.overlong_filtering=true"]),
+        path, batch)
     absent = _grad_norm_and_loss(grpo.load_config(common + [
         "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=4"]), path, part)
     print(f"token_level={token_level}: (grad norm, loss) filtered {filtered}, without the truncated {absent}")
     assert filtered == pytest.approx(absent, rel=1e-5) and filtered[0] > 0
+
+
+def test_lora_starts_at_the_base_and_trains_adapters_only(dist_world, tmp_path):
+    """Step 0 is the base model; only A and B train (and only they are in the optimizer); the weights the engine
+    gets (merged, in fp32 here) under the base layers' names make the same model as the policy; adapters off is the
+    base model again."""
+    path = str(tmp_path / "tiny")
+    grpo.build_tiny_debug(path)
+    cfg = grpo.load_config(TINY + ["policy.lora.enabled=true", "policy.lora.target_modules=[]"])  # all linear
+    policy = grpo.load_policy(path, cfg, torch.device("cpu"), trainable=True)
+    base = grpo.load_policy(path, grpo.load_config(TINY), torch.device("cpu"), trainable=False)
+    ids = torch.randint(5, 90, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(policy(input_ids=ids).logits, base(input_ids=ids).logits)
+    trained = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert len(trained) == 2 * 7 * 2  # A and B of q, k, v, o, gate, up, down in 2 layers; never the LM head
+    optimizer, _ = grpo.make_optimizer(policy, grpo.OptimizerConfig())
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trained)
+    with torch.no_grad():
+        for module in policy.modules():
+            if isinstance(module, grpo.LoRALinear):
+                module.lora_B.weight.fill_(0.02)
+        logits = policy(input_ids=ids).logits
+        with grpo.adapters_off(policy):
+            assert torch.equal(policy(input_ids=ids).logits, base(input_ids=ids).logits)
+    from transformers import AutoModelForCausalLM
+    merged = AutoModelForCausalLM.from_pretrained(path)
+    weights = dict(kv for bucket in grpo.weight_buckets(policy, 1e9, torch.float32) for kv in bucket)
+    assert set(weights) == set(merged.state_dict())  # the base layers' names, nothing of LoRA's
+    merged.load_state_dict(weights)
+    with torch.no_grad():
+        error = (merged(input_ids=ids).logits - logits).abs().max().item()
+    print(f"LoRA: {sum(policy.get_parameter(n).numel() for n in trained)} trainable parameters; merged vs "
+          f"adapted logits max |diff| {error:.2e}, adapters vs base {(logits - base(input_ids=ids).logits).abs().max():.3f}")
+    assert error < 1e-5
 
 
 def test_micro_batches_by_token_budget(dist_world):
@@ -698,9 +735,11 @@ def refit_worker():
     """`python test_grpo.py refit_worker TP [tied]`: train one step with a large learning rate, then compare the
     engine's sampled-token logprobs with the policy's recomputed ones, before and after a bucketed refit, and
     check what each TP group passed to its engine. Prints one JSON line on rank 0."""
-    tp, tied = int(sys.argv[2]), sys.argv[3:] == ["tied"]
+    tp, tied, lora = int(sys.argv[2]), "tied" in sys.argv[3:], "lora" in sys.argv[3:]
     cfg = grpo.load_config(TINY + ["policy.optimizer.lr=0.05", "policy.refit_buffer_size_gb=0.00005",
-                                   f"policy.generation.vllm_cfg.tensor_parallel_size={tp}"],
+                                   f"policy.generation.vllm_cfg.tensor_parallel_size={tp}",
+                                   f"policy.lora.enabled={str(lora).lower()}"]
+                           + (["policy.lora.target_modules=[]"] if tied else []),  # a tied head stays unadapted
                            int(os.environ.get("WORLD_SIZE", "1")))
     d = grpo.setup_distributed()
     path = grpo.resolve_model_path(cfg, d.local_rank)
@@ -732,10 +771,11 @@ def refit_worker():
         return torch.tensor(diff), batch, lp
 
     before, batch, lp = max_diff(1)
-    shard = [p.to_local().clone() for p in policy.parameters()]
+    trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
+    shard = [p.to_local().clone() for p in trained]
     batch.prev_logprobs = lp
     grpo.train_step(policy, optimizer, scheduler, batch, cfg, d.device)
-    changed = all(not torch.equal(a, p.to_local()) for a, p in zip(shard, policy.parameters()))
+    changed = all(not torch.equal(a, p.to_local()) for a, p in zip(shard, trained))
     stale, _, _ = max_diff(2)
     tracked = LiveBytes(grpo.weight_buckets(policy, engine.bucket_bytes, engine.dtype))
     start = time.perf_counter()
@@ -759,7 +799,7 @@ def refit_worker():
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX)
     flags = torch.tensor([float(changed), float(eos_ok), float(group_ok)])
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
-    params = dict(policy.named_parameters())
+    params = {n.replace("base.", ""): p for n, p in policy.named_parameters() if ".lora_" not in n}  # as sent
     layer_bytes = max(sum(p.numel() * 4 for n, p in params.items() if n.startswith(f"model.layers.{i}."))
                       for i in range(policy.config.num_hidden_layers))
     grpo.print0(json.dumps({
@@ -768,19 +808,23 @@ def refit_worker():
         "refit_s": refit_s, "refit_bytes": engine.metrics["refit/gb"] * 1e9, "buckets": tracked.count,
         "peak_live_bytes": tracked.peak, "bucket_bytes": engine.bucket_bytes, "layer_bytes": layer_bytes,
         "largest_param_bytes": max(p.numel() * 4 for p in params.values()),
+        "adapter_bytes": sum(p.numel() * 4 for n, p in policy.named_parameters() if ".lora_" in n),
         "state_dict_bytes": sum(p.numel() * 4 for p in params.values())}))
     torch.distributed.barrier()
     engine.close()
 
 
-@pytest.mark.parametrize("ranks,tp,tied", [(0, 1, False), (2, 1, False), (2, 2, True)])
-def test_refit_logprobs_match_policy(ranks, tp, tied):
-    """After a bucketed refit the engine's logprobs are the policy's (TP=1, and TP=2 with tied embeddings); the
-    refit never holds more than one bucket plus what the engine buffers for one layer."""
-    result = run([__file__, "refit_worker", str(tp)] + (["tied"] if tied else []), ranks=ranks)
+@pytest.mark.parametrize("ranks,tp,tied,lora", [(0, 1, False, False), (2, 1, False, False), (2, 2, True, False),
+                                               (0, 1, False, True), (2, 1, True, True)])
+def test_refit_logprobs_match_policy(ranks, tp, tied, lora):
+    """After a bucketed refit the engine's logprobs are the policy's (TP=1, and TP=2 with tied embeddings; LoRA's
+    merged weights, untied and tied); the refit never holds more than one bucket plus what the engine buffers for
+    one layer."""
+    result = run([__file__, "refit_worker", str(tp)] + (["tied"] if tied else []) + (["lora"] if lora else []),
+                 ranks=ranks)
     assert result.returncode == 0, result.stderr[-3000:]
     r = last_json_line(result.stdout)
-    print(f"ranks={ranks or 1} tp={tp} tied={tied}: {r}")
+    print(f"ranks={ranks or 1} tp={tp} tied={tied} lora={lora}: {r}")
     assert r["before"] < 1e-4  # same checkpoint in both
     assert r["stale"] > 1e-2  # the step changed the policy: an engine without refit disagrees
     assert r["after_refit"] < 1e-4  # fp32, measured ~1e-6
@@ -788,7 +832,8 @@ def test_refit_logprobs_match_policy(ranks, tp, tied):
     assert r["eos_ok"] and r["group_ok"]
     assert r["refit_bytes"] == r["state_dict_bytes"]  # every weight once; a tied head is not sent twice
     assert r["buckets"] > 3
-    bound = max(r["bucket_bytes"], r["largest_param_bytes"]) + r["layer_bytes"] + r["largest_param_bytes"]
+    bound = (max(r["bucket_bytes"], r["largest_param_bytes"]) + r["layer_bytes"] + r["largest_param_bytes"]
+             + r["adapter_bytes"])  # LoRA: a bucket's adapters are gathered with it, merged, then dropped
     assert r["peak_live_bytes"] <= bound < r["state_dict_bytes"]
 
 
@@ -798,7 +843,9 @@ def precision_worker():
     steps at a small learning rate (updates of less than half a bf16 step for most weights), refit after each.
     Prints, on one JSON line, how far the engine's embedding moved along the masters' path (1: it follows; 0: it
     stayed frozen), the same for a nearest-rounded copy, and the engine-vs-trainer logprob error at the end."""
-    cfg = grpo.load_config(TINY + ["policy.precision=bfloat16", "policy.optimizer.lr=2e-6"])
+    lora = sys.argv[2:] == ["lora"]
+    cfg = grpo.load_config(TINY + ["policy.precision=bfloat16", "policy.optimizer.lr=2e-6"]
+                           + (["policy.lora.enabled=true"] if lora else []))
     d = grpo.setup_distributed()
     path = grpo.resolve_model_path(cfg, d.local_rank) + "-bf16-grid"
     if not os.path.isdir(path):
@@ -813,23 +860,33 @@ def precision_worker():
     optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(16, seed=0), tokenizer, cfg)
 
-    def engine_embedding():
+    def engine_weight():  # full fine-tuning: the embedding; LoRA: an adapted layer (merged in the engine)
+        if lora:
+            return engine.llm.apply_model(
+                lambda m: m.model.layers[0].self_attn.o_proj.weight.detach().float().clone())[0]
         weight = engine.llm.apply_model(lambda m: m.model.embed_tokens.weight.detach().float().clone())[0]
         return weight[:len(tokenizer)]  # vLLM pads the vocabulary
-    start, master_start = engine_embedding(), policy.model.embed_tokens.weight.full_tensor().detach().clone()
+
+    def master_weight():
+        if lora:
+            o_proj = policy.model.layers[0].self_attn.o_proj
+            return (o_proj.base.weight.full_tensor() + o_proj.lora_B.weight.full_tensor()
+                    @ o_proj.lora_A.weight.full_tensor() * o_proj.scale).detach().clone()
+        return policy.model.embed_tokens.weight.full_tensor().detach().clone()
+    start, master_start = engine_weight(), master_weight()
     for step in range(1, 9):
         batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, 0, 128), d.device)
         batch.prev_logprobs = grpo.batched_logprobs(policy, batch, cfg)
         grpo.train_step(policy, optimizer, scheduler, batch, cfg, d.device)
         engine.prepare_for_generation(policy, stale=True, version=step)
-    master = policy.model.embed_tokens.weight.full_tensor().detach()
+    master = master_weight()
     moved = master - master_start
 
     def follows(copy):  # projection of the copy's movement on the masters' movement
         return ((copy - start) * moved).sum().item() / (moved * moved).sum().item()
     batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 99, 0, 128), d.device)
     error = (grpo.batched_logprobs(policy, batch, cfg) - batch.generation_logprobs).abs()[batch.token_mask > 0]
-    print(json.dumps({"engine_follows": follows(engine_embedding()), "nearest_follows": follows(
+    print(json.dumps({"engine_follows": follows(engine_weight()), "nearest_follows": follows(
         master.to(torch.bfloat16).float()), "master_moved": moved.abs().max().item(),
         "mean_abs_logprob_error": error.mean().item(), "max_abs_logprob_error": error.max().item()}))
     engine.close()
@@ -912,7 +969,8 @@ def multiturn_worker():
     stopped = debug_rollout(engine, rows, tokenizer, cfg_stop, grpo.sample_seeds(0, 4, 0, 64), d.device)
     texts = [t["text"] for s in stopped.samples for t in s.turns if t["role"] == "assistant"]
     stops_ok = all(t.find("a") in (-1, len(t) - 1) for t in texts) and sum(t.endswith("a") for t in texts) >= 10
-    print(json.dumps({"stops_ok": stops_ok, "logprob_error": logprob_error, "as_generated": as_generated, "mask_ok": bool(mask_ok),
+    print(json.dumps({"stops_ok": stops_ok, "logprob_error": logprob_error, "as_generated": as_generated,
+                      "mask_ok": bool(mask_ok),
                       "observations_ok": observations_ok, "turns": sorted(set(turns)), "observation_cut": cut,
                       "ends": sorted({s.end for s in batch.samples}), "calls": n_calls}))
     engine.close()
@@ -927,11 +985,14 @@ def test_multi_turn_masks_observations_and_logprobs_line_up():
     assert r["turns"] == [3] and r["calls"] == 3 and r["logprob_error"] < 1e-5
 
 
-def test_engine_follows_the_trainer_at_the_default_precision():
-    result = run([__file__, "precision_worker"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_engine_follows_the_trainer_at_the_default_precision(lora):
+    """Full fine-tuning (the embedding), and LoRA (an adapted layer: its merged weight starts on the bf16 grid and
+    its update is small, so a nearest-rounded merge would stay the base weight)."""
+    result = run([__file__, "precision_worker"] + (["lora"] if lora else []))
     assert result.returncode == 0, result.stderr[-3000:]
     r = last_json_line(result.stdout)
-    print(f"bf16 engine after 8 small steps: {r}")
+    print(f"bf16 engine after 8 small steps (lora={lora}): {r}")
     assert 0.8 < r["engine_follows"] < 1.25  # stochastic rounding: the bf16 copy moves with the fp32 masters
     assert r["nearest_follows"] < 0.6  # what a nearest-rounded copy would do: it lags
     assert r["mean_abs_logprob_error"] < 0.02
@@ -969,7 +1030,7 @@ def test_vllm_end_to_end_learns(one_rank_run):
     assert sorted(os.listdir(log_dir / "checkpoints")) == ["step_10", "step_20", "step_30"]
     assert {"training_info.json", "config.yaml", "policy", "rng_rank0.pt", "hf"} <= set(
         os.listdir(log_dir / "checkpoints" / "step_30"))
-    # seeded; seen here: first 5 steps 0.017, last 5 steps 0.240
+    # seeded; seen here: first 5 steps 0.013, last 5 steps 0.243
     rewards = [m["train/reward"] for m in metrics]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"mean reward, steps 1-5: {first:.3f}, steps 26-30: {last:.3f}")
@@ -1252,6 +1313,52 @@ def test_multi_turn_two_ranks_match_one_and_resume_exactly(multiturn_run, tmp_pa
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5) and c[key] == pytest.approx(b[key], abs=1e-6)
     print(f"multi-turn, 2 ranks vs 1 rank, resumed vs not, max |diff| over steps 1-4: "
           f"{max_diffs(one, two)}, {max_diffs(two, resumed)}")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("lora")
+    result = run(["grpo.py"] + TINY + ["policy.lora.enabled=true", "grpo.max_num_steps=30",
+                                       f"logger.log_dir={log_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return log_dir, read_metrics(log_dir)
+
+
+def test_lora_learns_checkpoints_adapters_and_exports_both_ways(lora_run, dist_world):
+    """The tiny model learns with LoRA; the checkpoint holds the adapters and their AdamW state, not the base; the
+    merged export loads in transformers, the adapters load with PEFT on the base model, and both give the same
+    logits."""
+    log_dir, metrics = lora_run
+    rewards = [m["train/reward"] for m in metrics]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"LoRA: mean reward, steps 1-5: {first:.3f}, steps 26-30: {last:.3f}")
+    assert last > first + 0.1
+    step = log_dir / "checkpoints" / "step_30"
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(str(step / "policy")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys)  # the adapters; the base is the model's files
+    assert any(k.startswith("optim.state.") and ".lora_A." in k for k in saved)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(grpo.resolve_model_path(grpo.load_config(TINY), 0))
+    adapted = PeftModel.from_pretrained(base, str(step / "hf_adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(step / "hf")
+    ids = torch.randint(5, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()
+    print(f"PEFT adapters on the base vs the merged export: max |logit diff| {diff:.2e}")
+    assert diff < 1e-4
+
+
+def test_lora_resume_is_exact(lora_run, tmp_path):
+    common = TINY + ["policy.lora.enabled=true", "checkpointing.save_period=2", f"logger.log_dir={tmp_path}"]
+    for steps in (2, 4):
+        result = run(["grpo.py"] + common + [f"grpo.max_num_steps={steps}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+    diffs = max_diffs(lora_run[1][:4], read_metrics(tmp_path))
+    print(f"LoRA, resumed after step 2 vs uninterrupted, max |diff| over steps 1-4: {diffs}")
+    assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
 
 
 def test_hf_backend_end_to_end(tmp_path):
