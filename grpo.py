@@ -879,9 +879,8 @@ class LoRALinear(torch.nn.Module):
         y = self.base(x)
         return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scale if self.enabled else y
 
-def add_lora(model, cfg: LoraConfig) -> list[str]:
-    """Wraps the decoder's linear layers (all, or those named in target_modules) in LoRALinear; their names."""
-    adapted = []
+def add_lora(model, cfg: LoraConfig) -> None:
+    """Wraps the decoder's linear layers (all, or those named in target_modules) in LoRALinear, in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             head = child is model.get_output_embeddings()  # only when named: it is not in "all linear"
@@ -890,8 +889,6 @@ def add_lora(model, cfg: LoraConfig) -> list[str]:
                     raise ValueError("policy.lora.target_modules: the LM head is tied to the embedding here; "
                                      "adapting it would untie them")
                 setattr(parent, name, LoRALinear(child, cfg))
-                adapted.append(name)
-    return sorted(set(adapted))
 
 @contextlib.contextmanager
 def adapters_off(model):
