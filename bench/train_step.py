@@ -1,0 +1,51 @@
+"""Times grpo.train_step alone on one rollout-sized batch of the side-by-side work (4 prompts x 8 completions,
+SmolLM2's 48-token chat prompt, completion lengths drawn from 2..64, fp32, one rank), for each micro-batching.
+
+    python bench/train_step.py /tmp/grpo-bench/SmolLM2 [repeats]
+"""
+import os, sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+import grpo
+
+model_dir, repeats = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2
+MICRO_BATCHINGS = {
+    "padded, dynamic batching 1024 tokens": ["policy.sequence_packing.enabled=false",
+                                             "policy.dynamic_batching.enabled=true",
+                                             "policy.dynamic_batching.train_mb_tokens=1024"],
+    **{f"packed {n} tokens": [f"policy.sequence_packing.train_mb_tokens={n}"] for n in (256, 512, 1024)}}
+dist.init_process_group("gloo", rank=0, world_size=1)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+generator, samples = torch.Generator().manual_seed(0), []
+for q in range(4):
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"What is {q} + {q + 3}? Put the final "
+                                             "answer in \\boxed{}."}], add_generation_prompt=True, return_dict=False)
+    for k in range(8):
+        n = int(torch.randint(2, 65, (1,), generator=generator))
+        completion = torch.randint(100, 40000, (n,), generator=generator).tolist()
+        samples.append(grpo.Sample("", list(prompt), completion, [-1.0] * n, [1] * n, reward=float(k % 2)))
+common = [f"policy.model_name={model_dir}", "policy.precision=float32", "grpo.num_prompts_per_step=4",
+          "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
+          "policy.train_micro_batch_size=32", "policy.logprob_batch_size=32", "policy.max_total_sequence_length=160",
+          "policy.generation.max_new_tokens=64", "loss_fn.reference_policy_kl_penalty=0"]
+model = grpo.load_policy(model_dir, grpo.load_config(common), torch.device("cpu"), trainable=True)
+optimizer, scheduler = grpo.make_optimizer(model, grpo.OptimizerConfig(lr=1e-5))
+print(f"{sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)} tokens, "
+      f"{sum(len(s.completion_ids) for s in samples)} of them generated", flush=True)
+times = {name: [] for name in MICRO_BATCHINGS}
+for _ in range(repeats):
+    for name, options in MICRO_BATCHINGS.items():
+        cfg = grpo.load_config(common + options)
+        batch = grpo.make_batch(samples, cfg, tokenizer.pad_token_id, torch.device("cpu"))
+        start = time.perf_counter()
+        grpo.train_step(model, optimizer, scheduler, batch, cfg, torch.device("cpu"))
+        times[name].append(time.perf_counter() - start)
+for name, seconds in times.items():
+    print(f"{name}: " + ", ".join(f"{s:.1f}" for s in seconds) + " s")
