@@ -1844,6 +1844,11 @@ def setup(cfg: Config, d: Dist) -> Run:
     import transformers
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     try:
+        lora = cfg.policy.lora
+        if lora.enabled and "lm_head" in lora.target_modules and getattr(
+                transformers.AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False):
+            raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to its embedding; adapting "
+                              "it would untie them (leave lm_head out)")
         train_rows, val_rows = load_datasets(cfg)
         make_env = get_environment(cfg)
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)

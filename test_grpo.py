@@ -388,6 +388,17 @@ def test_bad_key_exits_fast_with_one_line():
     assert result.returncode == 2 and "config file not found: /nonexistent.yaml" in result.stderr
 
 
+def test_lora_on_a_tied_head_exits_with_one_line(tmp_path):
+    path = str(tmp_path / "tied")
+    grpo.build_tiny_debug(path)
+    config = json.loads((tmp_path / "tied" / "config.json").read_text())
+    (tmp_path / "tied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    result = run(["grpo.py", f"policy.model_name={path}", "policy.lora.enabled=true",
+                  "policy.lora.target_modules=[lm_head]", f"logger.log_dir={tmp_path}"])
+    assert result.returncode == 2
+    assert "config error: policy.lora.target_modules: this model's lm_head is tied" in result.stderr
+
+
 def test_reward_fn_from_config():
     cfg = grpo.load_config(TINY + ["env.reward_fn=grpo:countdown_reward"])
     assert grpo.get_reward_fn(cfg) is grpo.countdown_reward
