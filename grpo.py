@@ -254,16 +254,14 @@ class RolloutBatch:
     reference_logprobs: Optional[torch.Tensor] = None  # [B, T] reference policy; None: no KL term
 
 def sample_seeds(base: int, step: int, start: int, n: int) -> list[int]:
-    """Seeds of a step's samples start .. start+n-1, numbered over all ranks (and dynamic-sampling rounds). A seed
-    depends on the sample's global index only, never on the rank that generates it: the same samples at any world
-    size and tensor-parallel setting (resume and 2-vs-1-rank tests rely on it), distinct within a step."""
+    """Seeds of a step's samples start .. start+n-1, numbered over all ranks and dynamic-sampling rounds: distinct
+    within a step, and never depending on the rank that generates them, so the same samples at any world size."""
     return [((base * 1_000_003 + step) * 1_000_003 + start + i) % 2**31 for i in range(n)]
 
 def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
-    """This rank's share of the step's samples, scored, with advantages. With DAPO's dynamic sampling, groups whose
-    rewards all agree (no learning signal) are dropped and more prompts drawn, round by round, until
-    num_prompts_per_step groups are kept over all ranks; those first ones in the order drawn (the same at any
-    world size) are the batch, split over the ranks. Returns the batch and the rollout's metrics."""
+    """This rank's share of the step's samples, scored, with advantages, and the rollout's metrics. With DAPO's
+    dynamic sampling, groups whose rewards all agree (no learning signal) are dropped and more prompts drawn, round
+    by round, until num_prompts_per_step groups are kept over all ranks: the first ones drawn are the batch."""
     cfg, g, rank, world = run.cfg, run.cfg.grpo, dist.get_rank(), dist.get_world_size()
     n, kept, reward_sum = g.num_generations_per_prompt, [], 0.0
     per_round = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)  # prompts, all ranks
@@ -311,10 +309,9 @@ def episode_metrics(samples: list[Sample]) -> dict:
 def generate_samples(run: Run, rows: list[dict], seeds: list[int], num_generations_per_prompt: int,
                      greedy: bool = False) -> list[Sample]:
     """num_generations_per_prompt episodes of each row (consecutive: a group), up to grpo.max_rollout_turns turns.
-    Per turn, the samples still going generate (with their environment's stop strings); each turn's tokens join the
-    sample exactly as generated, with their logprobs; the environment takes the turn's text and returns a reward and
-    an observation, which joins as a chat message of the environment's role, masked out of the loss. The turns run
-    while any rank has a sample going: the HF backend and tensor-parallel engines need all ranks in each call."""
+    Per turn, the samples still going generate (with their environment's stop strings); the tokens join the sample
+    as generated, with their logprobs; the environment takes the text and returns a reward and an observation, which
+    joins as a chat message, masked out of the loss. Turns run while any rank has a sample going (collectives)."""
     cfg, tokenizer = run.cfg, run.tokenizer
     rows = [r for r in rows for _ in range(num_generations_per_prompt)]
     samples, envs = [Sample(r["prompt"], r["prompt_ids"]) for r in rows], [run.make_env(r) for r in rows]
@@ -352,18 +349,16 @@ def generate_samples(run: Run, rows: list[dict], seeds: list[int], num_generatio
     return samples
 
 def observation_ids(tokenizer, role: str, text: str, after_eos: bool) -> list[int]:
-    """The tokens the chat template writes between two assistant turns around a `role` message `text`: the end of
-    the assistant's turn (but the EOS the model generated), the message, and the next assistant header. Rendered
-    after placeholder turns and cut there, so that the generated tokens before it are never re-tokenized. A
-    template that refuses the role (some allow only user and assistant) gets the observation as a user message."""
+    """The tokens the chat template writes between two assistant turns around a `role` message `text`: the end of the
+    assistant's turn (but the EOS it generated), the message, the next assistant header. Rendered after placeholder
+    turns and cut there (generated tokens are never re-tokenized); a template that refuses the role gets a user one."""
     import jinja2
     chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "\x00"}]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
     try:
-        full = tokenizer.apply_chat_template(chat + [{"role": role, "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        full = render(chat + [{"role": role, "content": text}])
     except jinja2.TemplateError:
-        full = tokenizer.apply_chat_template(chat + [{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        full = render(chat + [{"role": "user", "content": text}])
     suffix = full[full.index("\x00") + 1:]
     if after_eos:
         suffix = suffix.removeprefix(tokenizer.eos_token)
@@ -385,9 +380,8 @@ def make_batch(samples: list[Sample], cfg: Config, pad_id: int, device) -> Rollo
                         samples)
 
 def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompt + completion, right-padded -> input_ids [B, T], token_mask [B, T] (the assistant's tokens),
-    generation_logprobs [B, T]. The mask comes from the samples, never from comparing with pad_id: a generated EOS
-    is trained even when pad_token_id == eos_token_id (SmolLM2, many others)."""
+    """Prompt + completion, right-padded -> input_ids, token_mask (the assistant's tokens), generation_logprobs [B, T].
+    The mask comes from the samples, never from pad_id: a generated EOS is trained even when pad == EOS (SmolLM2)."""
     B, T = len(samples), max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     token_mask, generation_logprobs = torch.zeros(B, T), torch.zeros(B, T)
@@ -420,10 +414,9 @@ def compute_advantages(rewards: torch.Tensor, num_generations_per_prompt: int, l
 
 def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, token_mask, reference_logprobs,
                     cfg: LossConfig, normalizer: float) -> tuple[torch.Tensor, dict]:
-    """Clipped policy gradient (+ dual clip) + k3 KL to the reference (when reference_logprobs is given), summed
-    over valid tokens and divided by `normalizer`: the valid tokens (or sequences) of the whole global batch,
-    across ranks and micro-batches. Returns the loss and its metrics as {name: (sum, count)}, so that callers add
-    them over micro-batches and ranks before dividing. Shapes: advantages [B]; every other tensor [B, T]."""
+    """Clipped policy gradient (+ dual clip) + k3 KL to the reference (given reference_logprobs), summed over valid
+    tokens and divided by `normalizer`, the valid tokens (or sequences) of the whole global batch. Returns the loss
+    and its metrics as {name: (sum, count)}, to add over micro-batches and ranks. advantages [B], the rest [B, T]."""
     A = advantages.unsqueeze(1)                                # [B, 1]
     tokens = token_mask.sum(1, keepdim=True).clamp(min=1)      # [B, 1]
     log_ratio = logprobs - prev_logprobs                       # [B, T] log(pi / pi_old)
@@ -438,9 +431,8 @@ def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, to
     metrics = {}
     if cfg.use_importance_sampling_correction:
         # The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token
-        # (GSPO: per sequence, the product over its tokens). Truncated IS bounds that weight to [lo, hi]: tis clamps
-        # it, icepop drops (weight 0) the tokens outside, seq-mask-tis drops whole sequences whose geometric mean
-        # weight is outside and keeps the others' weights as they are.
+        # (GSPO: per sequence, the product over its tokens). Truncated IS bounds it to [lo, hi]: tis clamps, icepop
+        # drops the tokens outside, seq-mask-tis the sequences whose geometric mean is outside (others unclamped).
         log_w = prev_logprobs - generation_logprobs  # [B, T]
         is_weight = torch.exp((log_w * token_mask).sum(1, keepdim=True) if cfg.sequence_level_importance_ratios
                               else log_w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B, T] (or [B, 1]: GSPO)
@@ -473,9 +465,8 @@ def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, to
     return loss, metrics
 
 def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask, device) -> dict:
-    """How far the engine's sampling distribution is from the trainer's, on the sampled tokens of all ranks.
-    token_mult_prob_error is NeMo-RL's: the mean of exp(|logp_trainer - logp_engine|), 1.0 when they agree; the
-    importance ratio is pi_trainer / pi_engine per token."""
+    """How far the engine's sampling is from the trainer's, on the sampled tokens of all ranks: NeMo-RL's
+    token_mult_prob_error, mean exp(|logp_trainer - logp_engine|) (1.0: they agree), and pi_trainer / pi_engine."""
     log_ratio = (prev_logprobs - generation_logprobs)[token_mask > 0]  # [tokens]
     ratio = log_ratio.exp()
     error_sum, ratio_sum, n = all_reduce_sum([log_ratio.abs().exp().sum().item(), ratio.sum().item(),
@@ -489,10 +480,9 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, te
                     packed: bool = False) -> torch.Tensor:
     """log p(token_t | tokens_<t) at temperature T where token_mask is 1; 0 elsewhere: [B, T]. Only scored positions
     go through the LM head (padded: all from the first scored one on), and log-softmax runs in fp32 chunks of
-    `chunk_size` rows, recomputed in backward: no fp32 [batch, seq, vocab] tensor is ever alive. Packed: the samples
-    are concatenated into one row without padding, and a sample whose prompt is the previous one's (a group) is
-    packed without it: its tokens attend to that prompt's. Each prompt is computed once per micro-batch, and
-    gradients flow into it from all its completions, exactly as if it were repeated."""
+    `chunk_size` rows, recomputed in backward: no fp32 [batch, seq, vocab] tensor is ever alive. Packed: one row
+    without padding, where a sample whose prompt is the previous one's (a group) attends to that prompt's tokens:
+    computed once per micro-batch, gradients flow into it from all its completions, exactly as if repeated."""
     B, T = input_ids.shape
     if packed:
         column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T]: the position id of each token
@@ -534,8 +524,7 @@ def sample_lengths(token_mask: torch.Tensor) -> torch.Tensor:
     return token_mask.cumsum(1).argmax(1) + 1
 
 def shared_prompt_lengths(input_ids: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    """[B]: the prompt's length for a sample whose prompt (the tokens before its first scored one) is the previous
-    sample's, else 0."""
+    """[B]: the prompt's length (tokens before the first scored one) where it is the previous sample's, else 0."""
     prompt = token_mask.argmax(1)  # [B]
     in_prompt = torch.arange(input_ids.shape[1], device=input_ids.device) < prompt[:, None]  # [B, T]
     same = ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(1) & (prompt[1:] == prompt[:-1])  # [B-1]
@@ -546,8 +535,7 @@ def micro_batches(lengths: list[int], shared: list[int], max_samples: int, budge
     """One rank's samples (by index) in micro-batches: max_samples at a time, or up to `budget` tokens. Padded: sorted
     by length, count x longest tokens, so at most (count - 1) x (longest - shortest) of padding. Packed: in order (a
     group's samples stay together), the sum of the lengths less each `shared` prompt. Every rank gets as many
-    micro-batches as the rank with most (each forward gathers weights on all ranks together): the others split
-    their largest."""
+    micro-batches as the rank with most (each forward gathers weights on all ranks): others split their largest."""
     if budget is None:
         return [list(range(i, min(i + max_samples, len(lengths)))) for i in range(0, len(lengths), max_samples)]
     groups, tokens = [[]], 0
@@ -563,39 +551,37 @@ def micro_batches(lengths: list[int], shared: list[int], max_samples: int, budge
     return groups
 
 def plan_micro_batches(batch: RolloutBatch, rows: torch.Tensor, p: PolicyConfig, kind: str):
-    """Yields (row indices [mbs], width without right padding, packed) of the micro-batches of `rows` for kind
-    'train' or 'logprob': a fixed number of samples, or policy.dynamic_batching / sequence_packing's token budget."""
+    """Yields (row indices [mbs], width without right padding) of the micro-batches of `rows` for 'train' or
+    'logprob': a number of samples, or policy.dynamic_batching / sequence_packing's token budget."""
     size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
     section, packed = (p.sequence_packing, True) if p.sequence_packing.enabled else (p.dynamic_batching, False)
     budget = (getattr(section, f"{kind}_mb_tokens") or size * p.max_total_sequence_length) if section.enabled else None
     lengths = sample_lengths(batch.token_mask[rows])
     shared = shared_prompt_lengths(batch.input_ids[rows], batch.token_mask[rows])
     for group in micro_batches(lengths.tolist(), shared.tolist(), size, budget, packed, rows.device):
-        yield rows[group], int(lengths[group].max()), packed
+        yield rows[group], int(lengths[group].max())
 
 def batched_logprobs(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
     """No-grad logprobs of the whole rollout, micro-batch by micro-batch: [B, T]."""
     logprobs = torch.zeros_like(batch.generation_logprobs)
     with torch.no_grad():
         rows = torch.arange(len(batch.rewards), device=logprobs.device)
-        for m, width, packed in plan_micro_batches(batch, rows, cfg.policy, "logprob"):
+        for m, width in plan_micro_batches(batch, rows, cfg.policy, "logprob"):
             logprobs[m, :width] = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width],
                                                   cfg.policy.generation.temperature, cfg.policy.logprob_chunk_size,
-                                                  packed)
+                                                  cfg.policy.sequence_packing.enabled)
     model.reshard()  # FSDP2 keeps the root's parameters gathered after a forward, awaiting a backward that won't come
     return logprobs
 
 def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, device) -> dict:
-    """One or more optimizer updates over the rollout, each over a global batch of train_global_batch_size samples
-    in micro-batches. Update k takes every n_updates-th sample from k: the same global batches at any world size.
-    With one update and no pi_old in the batch, pi_old is the training forward's own (detached) logprobs: the
-    weights have not moved yet. Returns the loss's, the update's and the mismatch metrics, reduced over ranks."""
+    """One or more optimizer updates over the rollout, each over train_global_batch_size samples in micro-batches;
+    update k takes every n_updates-th sample from k (the same at any world size). With one update and no pi_old in
+    the batch, pi_old is the training forward's own detached logprobs. Returns the metrics, reduced over ranks."""
     g, p = cfg.grpo, cfg.policy
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     own_prev = batch.prev_logprobs is None  # fill_logprobs leaves it so only with one update
-    loss_mask = batch.token_mask  # [B, T]; DAPO's overlong filtering: truncated samples get no loss
-    if cfg.grpo.overlong_filtering:
-        loss_mask = batch.token_mask * ~batch.truncated.unsqueeze(1)
+    # [B, T]; DAPO's overlong filtering: truncated samples get no loss
+    loss_mask = batch.token_mask * ~batch.truncated.unsqueeze(1) if g.overlong_filtering else batch.token_mask
     if own_prev:
         batch.prev_logprobs = torch.zeros_like(batch.generation_logprobs)  # filled micro-batch by micro-batch
     sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}
@@ -605,10 +591,10 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, de
         local = loss_mask[rows].sum() if cfg.loss_fn.token_level_loss else loss_mask[rows].amax(1).sum()
         (normalizer,) = all_reduce_sum([local.item()], device)  # valid tokens (or sequences) of the global batch
         micro = list(plan_micro_batches(batch, rows, p, "train"))
-        for n, (m, width, packed) in enumerate(micro):
+        for n, (m, width) in enumerate(micro):
             model.set_requires_gradient_sync(n == len(micro) - 1)  # reduce-scatter once, after the last
             logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width],
-                                       p.generation.temperature, p.logprob_chunk_size, packed)  # [mbs, width]
+                                       p.generation.temperature, p.logprob_chunk_size, p.sequence_packing.enabled)
             if own_prev:
                 batch.prev_logprobs[m, :width] = logprobs.detach()
             ref = None if batch.reference_logprobs is None else batch.reference_logprobs[m, :width]
@@ -638,9 +624,8 @@ def train_step(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, de
             "train/lr": scheduler.get_last_lr()[0], "train/skipped_updates": skipped}
 
 def validate(run: Run, step: int) -> dict:
-    """Accuracy (mean reward), pass@k (mean over prompts of the best of k samples: for 0/1 rewards, the share of
-    prompts solved at least once) and generated length on the validation set, greedy or sampled, over all ranks.
-    Every sample goes to val_data_step{N}.jsonl."""
+    """Accuracy (mean reward), pass@k (mean over prompts of the best of k samples: for 0/1 rewards, the share solved
+    at least once) and generated length on the validation set, over all ranks; samples to val_data_step{N}.jsonl."""
     cfg, rank, world = run.cfg, dist.get_rank(), dist.get_world_size()
     g, k = cfg.grpo, cfg.grpo.val_num_generations_per_prompt
     mine = run.val_rows[:len(run.val_rows) // world * world][rank::world]  # equal shares: ranks generate in lockstep
@@ -662,7 +647,6 @@ def validate(run: Run, step: int) -> dict:
     run.info["val_reward"] = val["accuracy"]
     return {f"validation/{k}": v for k, v in val.items()}
 
-
 # ======================================================================================================
 # Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface
 # ======================================================================================================
@@ -680,9 +664,8 @@ def expected_vllm_warning(record) -> bool:
                 or "`torch.set_num_threads` after the thread binding" in message)
 
 class VllmEngine:
-    """One in-process vLLM engine per tensor-parallel group (external_launcher): ranks [0..k-1], [k..2k-1], ...
-    each run one engine with k shards. New weights are streamed in place from an iterator. On CUDA the engine
-    sleeps while FSDP trains (level 1: weights offloaded to CPU, KV cache freed; level 2: both discarded)."""
+    """One in-process vLLM engine per tensor-parallel group of k ranks (external_launcher), weights streamed in place.
+    On CUDA it sleeps while FSDP trains (level 1: weights offloaded to CPU, KV cache freed; level 2: both dropped)."""
     def __init__(self, path: str, cfg: Config):
         gen, vcfg = cfg.policy.generation, cfg.policy.generation.vllm_cfg
         platform_kwargs = {}
@@ -739,9 +722,8 @@ class VllmEngine:
         """Wake up, and take the policy's weights if they changed or if level-2 sleep discarded them. `version` (the
         last trained step) seeds the stochastic rounding: the same weights always round the same way (exact resume)."""
         if stale or (self.asleep and self.sleep_level == 2):
-            generator = None
-            if self.stochastic_rounding:
-                generator = torch.Generator(model.device).manual_seed(self.seed * 1_000_003 + version)
+            generator = (torch.Generator(model.device).manual_seed(self.seed * 1_000_003 + version)
+                         if self.stochastic_rounding else None)
             self.refit(weight_buckets(model, self.bucket_bytes, self.dtype, generator))
         elif self.asleep:
             self._wake_up(["weights", "kv_cache"])
@@ -807,8 +789,7 @@ class HFEngine:
         torch.manual_seed(seeds[0])
         self.model.eval()  # the policy is always in training mode otherwise
         with torch.no_grad():
-            # Every sampling knob explicit: HF fills unset ones from the model's generation_config (e.g. top_k=50,
-            # repetition_penalty), which would make the samples disagree with the trainer's logprobs.
+            # Every sampling knob explicit: unset ones come from generation_config (top_k=50, ...), off the trainer's.
             sequences = self.model.generate(input_ids=ids, attention_mask=attention_mask, do_sample=not greedy,
                                             temperature=self.gen.temperature, top_p=self.gen.top_p,
                                             top_k=self.gen.top_k or 0, repetition_penalty=1.0,
@@ -820,8 +801,7 @@ class HFEngine:
         lengths = ((is_eos.cumsum(1) - is_eos) == 0).sum(1).minimum(limits)  # up to the first EOS, within the limit
         completions = [new[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
         ends_with_eos = is_eos.gather(1, lengths.unsqueeze(1) - 1).squeeze(1).tolist()
-        # The sampler used these very weights: its logprobs are the policy's at temperature T. Recompute them in
-        # fp32 chunks rather than keeping HF's per-step scores, a [B, new, vocab] tensor.
+        # It sampled with the policy's own weights: its logprobs, in fp32 chunks (not HF's [B, new, vocab] scores).
         input_ids, token_mask, _ = pack_batch([Sample("", p, c, [0.0] * len(c), [1] * len(c))
                                                for p, c in zip(prompt_ids, completions)], pad)
         with torch.no_grad():
@@ -834,15 +814,13 @@ class HFEngine:
     # It generates with the training weights themselves: nothing to wake, refit, put to sleep or shut down.
     prepare_for_generation = finish_generation = close = staticmethod(lambda *args, **kwargs: None)
 
-
 # ======================================================================================================
 # Model: tiny-debug, FSDP2 policy, optimizer, weight buckets for refit and export
 # ======================================================================================================
 
 def build_tiny_debug(path: str) -> None:
-    """A tiny random Llama/Qwen2-style model with a character-level tokenizer and a chat template; seconds on a
-    CPU. head_dim is 32 because vLLM's CPU attention supports no smaller one. Llama rather than Qwen2 because
-    transformers maps every `qwen2` directory to its BPE tokenizer class, which would mangle this vocabulary."""
+    """A tiny random Llama with a character-level tokenizer and a chat template. head_dim 32: vLLM's CPU attention
+    takes no smaller. Not Qwen2: transformers maps every `qwen2` directory to its BPE tokenizer, mangling this one."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import GenerationConfig as HFGenerationConfig
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -878,9 +856,8 @@ def resolve_model_path(cfg: Config, local_rank: int) -> str:
     return path
 
 class LoRALinear(torch.nn.Module):
-    """A frozen linear layer plus a trained low-rank update: base(x) + B(A(dropout(x))) x alpha / r. A keeps
-    nn.Linear's Kaiming-uniform init and B starts at zero, so step 0 is the base model. With `enabled` False it is
-    the base model: the reference policy of the KL term, without a second copy of the weights."""
+    """A frozen linear layer plus a trained low-rank update: base(x) + B(A(dropout(x))) x alpha / r, B starting at 0
+    (step 0 is the base model). With `enabled` False it is the base model: the KL term's reference, at no cost."""
     def __init__(self, base: torch.nn.Linear, cfg: LoraConfig):
         super().__init__()
         self.base, self.scale, self.enabled = base, cfg.alpha / cfg.dim, True
@@ -899,9 +876,6 @@ def add_lora(model, cfg: LoraConfig) -> None:
         for name, child in list(parent.named_children()):
             head = child is model.get_output_embeddings()  # only when named: it is not in "all linear"
             if isinstance(child, torch.nn.Linear) and (name in cfg.target_modules or cfg.match_all_linear and not head):
-                if head and model.config.tie_word_embeddings:
-                    raise ValueError("policy.lora.target_modules: the LM head is tied to the embedding here; "
-                                     "adapting it would untie them")
                 setattr(parent, name, LoRALinear(child, cfg))
 
 def set_adapters(model, enabled: bool) -> None:
@@ -955,17 +929,15 @@ def make_optimizer(model, cfg: OptimizerConfig):
     return optimizer, scheduler
 
 def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """fp32 -> bf16, rounding up with probability (distance to the bf16 value below) / (bf16 step): unbiased, so a
-    bf16 copy follows fp32 weights that move by less than half a bf16 step per update, where nearest rounding would
-    stay frozen (a pretrained model starts exactly on the bf16 grid). Add 16 random low bits, then drop them."""
+    """fp32 -> bf16, up with probability (distance to the bf16 value below) / (bf16 step): unbiased, the copy follows
+    weights that move under half a bf16 step per update, where nearest rounding stays frozen (adds 16 random bits)."""
     noise = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
     return ((x.contiguous().view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 def weight_buckets(model, bucket_bytes: float, dtype: torch.dtype, generator: Optional[torch.Generator] = None):
-    """The policy's full weights as lists of (checkpoint_name, tensor), in model order, for the refit and the export:
-    one bucket of about `bucket_bytes` at a time, closed only between FSDP units (decoder layers), so the engine's
-    layerwise reload never holds part of a layer. Shards are cast to `dtype` before their gather (half the traffic of
-    fp32), stochastically with a generator. Names are the checkpoint's; tied weights appear once."""
+    """The policy's full weights as lists of (checkpoint_name, tensor) for the refit and the export, in buckets of
+    about `bucket_bytes` closed only between FSDP units (decoder layers): the engine's layerwise reload never holds
+    part of a layer. Shards are cast to `dtype` (stochastically with a generator) before their gather."""
     from torch.distributed.tensor import DTensor
     from transformers.core_model_loading import revert_weight_conversion
     from torch.distributed.fsdp import FSDPModule
@@ -1000,7 +972,6 @@ def weight_buckets(model, bucket_bytes: float, dtype: torch.dtype, generator: Op
         size += nbytes
     if bucket:
         yield list(merged(bucket).items())
-
 
 # ======================================================================================================
 # Data, rewards and environments
@@ -1076,9 +1047,8 @@ ARITHMETIC_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
                   ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
 
 def arithmetic(expr: str, used: Optional[list] = None) -> Optional[Fraction]:
-    """The exact value of numbers joined by + - * / and parentheses, or None for anything else or over 100
-    characters (so bounded in time and size). Parsed with `ast` and a whitelist, never eval: hostile text gives
-    None, fast. `used` collects the numbers, in order."""
+    """The exact value of numbers, + - * / and parentheses (None for anything else, or over 100 characters), parsed
+    with `ast` and a whitelist, never eval: hostile text gives None, fast. `used` collects the numbers, in order."""
     used = [] if used is None else used
     def value(node) -> Fraction:
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -1106,14 +1076,18 @@ def debug_reward(prompt: str, completion: str, answer: Any) -> float:
 
 DEFAULT_REWARDS = {"debug": debug_reward, "arithmetic": math_reward, "countdown": countdown_reward}
 
+def import_object(spec: str, key: str) -> Any:
+    """'module:name' (the config key `key`'s value) -> that object, or a ConfigError naming the key."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load '{spec}' ({e})")
+
 def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
     if not cfg.env.reward_fn:
         return DEFAULT_REWARDS.get(cfg.data.dataset_name, math_reward)
-    module, _, name = cfg.env.reward_fn.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"env.reward_fn: cannot load '{cfg.env.reward_fn}' ({e})")
+    return import_object(cfg.env.reward_fn, "env.reward_fn")
 
 class RewardEnv:
     """One turn, scored by a reward function (prompt, completion, answer) -> float: how env.reward_fn is run."""
@@ -1144,9 +1118,8 @@ class LettersEnv:
         return f"Now repeat the letter {self.letter}.", reward, self.turn == self.turns
 
 class CalculatorEnv:
-    """A calculator tool for arithmetic and GSM8K: the model writes <calc>expression</calc> and the environment
-    answers with its value (`arithmetic`: + - * / only, never eval); a turn without a call ends the episode, scored
-    by its last \\boxed{} answer (math_reward)."""
+    """A calculator tool for arithmetic and GSM8K: the model writes <calc>expression</calc>, the environment answers
+    with its value (`arithmetic`, never eval); a turn without a call ends the episode, scored by math_reward."""
     stop = ["</calc>"]
 
     def __init__(self, row: dict):
@@ -1162,23 +1135,15 @@ class CalculatorEnv:
 BUILTIN_ENVS = {"letters": LettersEnv, "calculator": CalculatorEnv}
 
 def get_environment(cfg: Config) -> Callable[[dict], Any]:
-    """row -> a new environment: env.environment, else the task's own (letters: LettersEnv), else the reward as
-    one turn."""
+    """row -> a new environment: env.environment, else the task's own (letters), else the reward as one turn."""
     name = cfg.env.environment or ("letters" if cfg.data.dataset_name == "letters" else None)
     if name is None:
         return functools.partial(RewardEnv, reward_fn=get_reward_fn(cfg))
-    if name in BUILTIN_ENVS:
-        return BUILTIN_ENVS[name]
-    module, _, attr = name.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"env.environment: cannot load '{name}' ({e})")
+    return BUILTIN_ENVS[name] if name in BUILTIN_ENVS else import_object(name, "env.environment")
 
 def safe_step(env, text: str) -> tuple:
-    """env.step(text) -> (env, observation, reward, done, error). An exception, or a reward that is not a finite
-    number, ends the episode with reward 0 and says why in `error`: a bug in a reward or an environment must not end
-    a days-long run, nor turn its group's advantages into NaN. The env comes back: in a worker, it stepped a copy."""
+    """env.step(text) -> (env, observation, reward, done, error). An exception or a non-finite reward ends the episode
+    with reward 0 and says why in `error`: a user's bug never ends a run. The env returns (a worker steps a copy)."""
     name = getattr(env, "name", f"{type(env).__qualname__}.step")
     try:
         observation, reward, done = env.step(text)
@@ -1190,8 +1155,7 @@ def safe_step(env, text: str) -> tuple:
 
 class EnvRunner:
     """Steps environments (rewards are one-turn environments) through safe_step. With env.reward_timeout_s set,
-    steps run in worker processes, and one past the timeout also ends its episode with 0 (its pool, stuck worker
-    included, is replaced). The run goes on either way."""
+    steps run in worker processes, and one past the timeout also ends its episode with 0 (its pool is replaced)."""
     def __init__(self, timeout_s: Optional[float]):
         self.timeout_s, self.pool = timeout_s, None
         self.timed_out = f"no result within env.reward_timeout_s={timeout_s}"
@@ -1240,8 +1204,7 @@ def parse_json_line(line: str, path: str, number: int) -> dict:
     return record
 
 def load_rows(name: str, split: str, cfg: DataConfig, n_builtin: int, seed: int) -> list[dict]:
-    """Builtin task (n_builtin rows), local JSONL file, or Hugging Face dataset -> [{"prompt", "answer"}],
-    the prompt wrapped in data.prompt_template."""
+    """Builtin task (n_builtin rows), JSONL file or HF dataset -> [{"prompt" (in data.prompt_template), "answer"}]."""
     if name in BUILTIN_TASKS:
         records, question, answer = BUILTIN_TASKS[name](n_builtin, seed), "prompt", "answer"
     else:
@@ -1313,14 +1276,12 @@ class Sampler:
                 self.epoch, self.offset = self.epoch + 1, 0
         return out
 
-
 # ======================================================================================================
 # Checkpointing
 # ======================================================================================================
-# checkpoint_dir/step_N/ holds training_info.json (step, counters, sampler and LR schedule), config.yaml,
-# policy/ (model + optimizer, sharded by torch.distributed.checkpoint: each rank writes its own shard),
-# rng_rank{R}.pt, and hf/ (consolidated safetensors + tokenizer) for the final step. It is written to
-# tmp_step_N and renamed when complete, so a crash mid-save leaves the previous checkpoint as the latest.
+# checkpoint_dir/step_N/ holds training_info.json (step, counters, sampler and LR schedule), config.yaml, policy/
+# (model + optimizer, each rank its shard, by torch.distributed.checkpoint), rng_rank{R}.pt, and hf/ (safetensors +
+# tokenizer) for the final step. Written to tmp_step_N, renamed when complete: a crash mid-save loses nothing.
 
 # Keys that change the data order or the model: resuming across a change to one of them is refused.
 RESUME_KEYS = ["policy.model_name", "grpo.seed", "grpo.num_prompts_per_step", "data.dataset_name",
@@ -1333,8 +1294,7 @@ def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
     return {int(n[5:]): os.path.join(checkpoint_dir, n) for n in names if re.fullmatch(r"step_\d+", n)}
 
 def find_resume_checkpoint(cfg: Config) -> Optional[str]:
-    """The latest complete checkpoint, if its config fits this run (else ConfigError). Rank 0 first removes what an
-    interrupted save left behind."""
+    """The latest complete checkpoint if its config fits this run (else ConfigError); interrupted saves removed."""
     ckpt = cfg.checkpointing
     if dist.get_rank() == 0 and os.path.isdir(ckpt.checkpoint_dir):
         for name in [n for n in os.listdir(ckpt.checkpoint_dir) if n.startswith("tmp_step_")]:
@@ -1373,8 +1333,7 @@ def export_hf(model, tokenizer, out_dir: str, dtype: torch.dtype, bucket_bytes: 
             part.save_pretrained(out_dir)
 
 def trained_state(policy, optimizer) -> dict:
-    """A checkpoint's model and optimizer state: every parameter, or with LoRA the adapters alone (the frozen base
-    is the model's own files), sharded as they are."""
+    """A checkpoint's model and optimizer state, sharded: every parameter, or with LoRA the adapters alone."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model_state, optim_state = get_state_dict(policy, optimizer)
     frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
@@ -1458,7 +1417,6 @@ def load_checkpoint(path: str, policy, optimizer, scheduler, sampler: Sampler) -
             torch.cuda.set_rng_state(rng["cuda"])
     return info
 
-
 # ======================================================================================================
 # Logging
 # ======================================================================================================
@@ -1525,7 +1483,6 @@ def print_step(step: int, max_steps: int, metrics: dict) -> None:
            f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} | gen_len "
            f"{metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: {metrics['perf/generated_tokens_per_s']:.0f}"
            f" generated, {metrics['perf/trained_tokens_per_s']:.0f} trained | {total:.2f}s ({parts})")
-
 
 # ======================================================================================================
 # Config loading: file <- tiny-debug preset <- command line, checked before any model loads
@@ -1598,8 +1555,7 @@ RANGE_CHECKS = {">0": ("> 0", lambda v: v > 0), ">=0": (">= 0", lambda v: v >= 0
                 "[0,1)": ("in [0, 1)", lambda v: 0 <= v < 1), "(0,1]": ("in (0, 1]", lambda v: 0 < v <= 1)}
 
 def check_config(cfg: Config, world_size: int) -> None:
-    """Each knob against its declared check, then the values that are each fine but do not fit together. Every
-    message names the key."""
+    """Each knob against its declared check, then values that are each fine but do not fit together; by key."""
     def walk(obj, prefix):
         for f in dataclasses.fields(obj):
             value, check, key = getattr(obj, f.name), f.metadata.get("check"), prefix + f.name
@@ -1672,7 +1628,6 @@ def load_config(argv: list[str], world_size: int = 1) -> Config:
         cfg.checkpointing.checkpoint_dir = os.path.join(cfg.logger.log_dir, "checkpoints")
     return cfg
 
-
 # ======================================================================================================
 # Distributed setup and failure handling
 # ======================================================================================================
@@ -1698,8 +1653,7 @@ def setup_distributed() -> Dist:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:
-        device = torch.device("cpu")
-        # ranks on one host share its cores
+        device = torch.device("cpu")  # the ranks of a host share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         dist.init_process_group("gloo")
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
@@ -1707,9 +1661,8 @@ def setup_distributed() -> Dist:
 @contextlib.contextmanager
 def stop_all_ranks_on_failure(d: Dist):
     """Else one rank's exception leaves the others in a collective until its timeout (30 min on NCCL). The failing
-    rank shows its traceback and posts its rank in the rendezvous store; a watcher thread on every rank polls the
-    store and exits within a second, naming it. The watcher is joined before a normal exit (a thread inside the
-    store's C++ client at interpreter exit aborts the process)."""
+    rank shows its traceback and posts its rank in the rendezvous store; a watcher thread on every rank polls it and
+    exits within a second. The watcher is joined before a normal exit (else the store's client aborts at exit)."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     key, done = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", threading.Event()
     def exit_if_another_failed():
@@ -1737,8 +1690,7 @@ def stop_all_ranks_on_failure(d: Dist):
             watcher.join()
 
 class StopRequest:
-    """SIGTERM/SIGINT (SLURM preemption, Ctrl-C) set a flag: the loop finishes its step, saves and exits 0.
-    A second signal acts at once."""
+    """SIGTERM/SIGINT (preemption, Ctrl-C): the loop finishes its step, saves and exits 0. A second acts at once."""
     def __init__(self):
         self.requested = False
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -1770,7 +1722,6 @@ def all_reduce_sum(values: list[float], device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
-
 
 # ======================================================================================================
 # The run: setup, the loop (its phases only), end-of-step bookkeeping, main

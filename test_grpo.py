@@ -552,6 +552,7 @@ MICRO_BATCHINGS = [["policy.sequence_packing.enabled=false", "policy.train_micro
                    ["policy.sequence_packing.enabled=false", "policy.dynamic_batching.enabled=true",
                     "policy.dynamic_batching.train_mb_tokens=30"],
                    ["policy.sequence_packing.train_mb_tokens=30"],
+                   ["policy.sequence_packing.train_mb_tokens=12"],  # splits a shared-prompt group: [0], [1], ...
                    ["policy.sequence_packing.train_mb_tokens=1000"]]
 
 
