@@ -81,6 +81,8 @@ class GRPOConfig:
 @dataclass
 class LossConfig:
     reference_policy_kl_penalty: float = knob(0.01, ">=0")  # k3 KL to the frozen initial policy; 0: no reference model
+    kl_input_clamp_value: Optional[float] = knob(20.0, ">0")  # bound on |log(pi_ref / pi)| in the KL; null: none
+    kl_output_clamp_value: Optional[float] = knob(10.0, ">0")  # bound on each token's KL; null: none
     ratio_clip_min: float = knob(0.2, "[0,1)")  # PPO clip: ratio >= 1 - ratio_clip_min
     ratio_clip_max: float = knob(0.2, ">=0")  # PPO clip: ratio <= 1 + ratio_clip_max (DAPO's clip-higher raises it)
     ratio_clip_c: Optional[float] = knob(None, ">1")  # dual clip for negative advantages (> 1, e.g. 3); null: off
@@ -401,13 +403,17 @@ def compute_advantages(rewards: torch.Tensor, num_generations_per_prompt: int, l
     if n == 1:
         return torch.zeros_like(rewards)
     r = rewards.view(-1, n).double()  # [prompts, n]
-    m = n - 1 if leave_one_out else n  # how many rewards each baseline averages
-    total, squares = r.sum(1, keepdim=True), (r * r).sum(1, keepdim=True)  # [prompts, 1]
-    if leave_one_out:
-        total, squares = total - r, squares - r * r  # [prompts, n]: sums over each sample's others
-    baseline = total / m
-    std = ((squares - m * baseline**2).clamp(min=0) / max(m - 1, 1)).sqrt() * (m > 1)  # [prompts, n or 1]
-    advantages = r - baseline
+    if leave_one_out:  # each sample's others: [prompts, n, n - 1]
+        others = r[:, None, :].expand(-1, n, n)[:, ~torch.eye(n, dtype=torch.bool)].view(-1, n, n - 1)
+    else:
+        others = r[:, None, :]  # [prompts, 1, n]
+    # From deviations, shifted by one of the values: equal rewards give a std of exactly 0 (sums of squares leave a
+    # rounding residue for fractions such as 0.1, and dividing by it gives advantages of 1e8).
+    shifted = others - others[..., :1]
+    mean = shifted.mean(-1)  # [prompts, n or 1]
+    m = others.shape[-1]
+    std = ((shifted - mean[..., None]).square().sum(-1) / max(m - 1, 1)).sqrt() * (m > 1)
+    advantages = r - (others[..., 0] + mean)
     if normalize:
         advantages = torch.where(std > 0, advantages / std.clamp(min=1e-12), advantages)
     return advantages.view(-1).to(rewards.dtype)
@@ -451,8 +457,10 @@ def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, to
         per_token = per_token * is_weight
     kl = torch.zeros_like(logprobs)
     if reference_logprobs is not None:
-        log_ratio_ref = reference_logprobs - logprobs  # [B, T] log(pi_ref / pi)
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased, always >= 0
+        # [B, T] log(pi_ref / pi), clamped like NeMo-RL's: one token the policy finds far less likely than the
+        # reference would otherwise give a KL of 1e16 and own the step's gradient.
+        log_ratio_ref = clamp(reference_logprobs - logprobs, cfg.kl_input_clamp_value)
+        kl = clamp(torch.exp(log_ratio_ref) - log_ratio_ref - 1, cfg.kl_output_clamp_value)  # k3: unbiased, >= 0
         per_token = per_token + cfg.reference_policy_kl_penalty * kl
     if cfg.token_level_loss:
         loss = (per_token * token_mask).sum() / normalizer
@@ -463,6 +471,9 @@ def clipped_pg_loss(logprobs, prev_logprobs, generation_logprobs, advantages, to
         metrics["kl"] = ((kl * token_mask).sum().item(), n)
         metrics["clip_fraction"] = (((unclipped < clipped).float() * token_mask).sum().item(), n)
     return loss, metrics
+
+def clamp(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
+    return x if bound is None else x.clamp(-bound, bound)
 
 def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask, device) -> dict:
     """How far the engine's sampling is from the trainer's, on the sampled tokens of all ranks: NeMo-RL's

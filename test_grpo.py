@@ -79,9 +79,28 @@ def test_advantages_match_nemo_rl(leave_one_out, normalize):
             got = grpo.compute_advantages(rewards, n, leave_one_out, normalize)
             want = torch.tensor(nemo_rl_advantages(rewards.tolist(), n, leave_one_out, normalize))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The rewards users produce: partial credit (all but one the same fraction), all equal, two values only. With
+    # sums of squares, equal fractions left a rounding residue for a std, and advantages of 1e8 (issue 18).
+    for n in range(2, 17):
+        for f in (0.1, 0.05, 0.2, 1 / 3, 0.7):
+            groups = [[f] * (n - 1) + [1.0], [0.0] + [f] * (n - 1), [f] * n, ([f, 0.3] * n)[:n], ([1.0, f] * n)[:n]]
+            rewards = torch.tensor([r for group in groups for r in group])
+            got = grpo.compute_advantages(rewards, n, leave_one_out, normalize)
+            want = torch.tensor(nemo_rl_advantages(rewards.tolist(), n, leave_one_out, normalize))
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     # by hand: [1, 0, 0, 1], leave-one-out: baseline 1/3 for the 1s (others 0, 0, 1), std of the others sqrt(1/3)
     adv = grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, leave_one_out=True, normalize=True)
     torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]) / math.sqrt(1 / 3))
+
+
+def test_partial_credit_group_by_hand():
+    # the group of issue 18: the others of the 1.0 are all 0.1 (std 0: unnormalized, 0.9); each 0.1's others are six
+    # 0.1 and the 1.0: baseline 1.6 / 7, std sqrt((6 (0.1 - 1.6/7)^2 + (1 - 1.6/7)^2) / 6)
+    adv = grpo.compute_advantages(torch.tensor([0.1] * 7 + [1.0]), 8, leave_one_out=True, normalize=True)
+    baseline = 1.6 / 7
+    std = math.sqrt((6 * (0.1 - baseline) ** 2 + (1 - baseline) ** 2) / 6)
+    torch.testing.assert_close(adv, torch.tensor([(0.1 - baseline) / std] * 7 + [0.9]), rtol=1e-6, atol=1e-6)
+    assert adv[0].item() == pytest.approx(-0.378, abs=1e-3)
 
 
 def test_mean_baseline_zero_std_and_group_of_one():
@@ -128,6 +147,36 @@ def test_k3_kl():
     k3 = torch.exp(d) - d - 1
     assert loss.item() == pytest.approx(0.1 * k3.mean().item(), rel=1e-5)
     assert metrics["kl"][0] == pytest.approx(k3.sum().item(), rel=1e-5) and metrics["kl"][1] == 2
+
+
+def test_kl_is_clamped_like_nemo_rl():
+    # ref - logp per token: inside both bounds, at the input bound 20, past it (+-25), past the output bound (3), and
+    # issue 18's token (policy -40, reference -1: 39). k3(d) = exp(d) - d - 1, d clamped to [-20, 20], k3 to [-10, 10].
+    d = torch.tensor([0.5, 2.0, 3.0, 20.0, 25.0, -25.0, 39.0], dtype=torch.float64)
+    logprobs = torch.full_like(d, -40.0).requires_grad_()
+    mask = torch.ones_like(d)[:, None]
+
+    def kl_and_grad(**bounds):
+        cfg = grpo.LossConfig(reference_policy_kl_penalty=1.0, **bounds)
+        loss, metrics = grpo.clipped_pg_loss(logprobs[:, None], logprobs.detach()[:, None], logprobs.detach()[:, None],
+                                             torch.zeros(len(d), dtype=torch.float64), mask,
+                                             (logprobs.detach() + d)[:, None], cfg, 1.0)
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        return metrics["kl"], grad
+
+    def k3(x):
+        return math.exp(x) - x - 1
+    (kl, n), grad = kl_and_grad()  # NeMo-RL's defaults: 20 and 10
+    assert n == len(d) and kl == pytest.approx(k3(0.5) + k3(2.0) + 10 * 5, rel=1e-12)
+    # d(k3)/d(logp) = -(exp(d) - 1) inside both bounds, 0 past either (as clamp gives)
+    torch.testing.assert_close(grad, torch.tensor([1 - math.exp(0.5), 1 - math.exp(2.0), 0, 0, 0, 0, 0],
+                                                  dtype=torch.float64))
+    (kl, _), grad = kl_and_grad(kl_output_clamp_value=None)  # the input bound alone: 20 at and past it, -20 below
+    assert kl == pytest.approx(k3(0.5) + k3(2) + k3(3) + 3 * k3(20) + k3(-20), rel=1e-12)
+    assert grad[3] == pytest.approx(1 - math.exp(20)) and grad[4:].abs().sum() == 0  # at the bound / past it
+    (kl, _), _ = kl_and_grad(kl_input_clamp_value=None, kl_output_clamp_value=None)  # both off: k3 as is
+    assert kl == pytest.approx(sum(k3(x) for x in d.tolist()), rel=1e-12)
+    assert kl > 8e16  # the unbounded token of issue 18
 
 
 def test_truncated_importance_sampling_correction():
