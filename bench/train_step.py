@@ -6,22 +6,18 @@ SmolLM2's 48-token chat prompt, completion lengths drawn from 2..64, fp32, one r
 import os, sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import time
 
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import grpo
 
 model_dir, repeats = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2
 MICRO_BATCHINGS = {
-    "padded, dynamic batching 1024 tokens": ["policy.sequence_packing.enabled=false",
-                                             "policy.dynamic_batching.enabled=true",
-                                             "policy.dynamic_batching.train_mb_tokens=1024"],
+    "padded, 8 samples a micro-batch": ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=8"],
     **{f"packed {n} tokens": [f"policy.sequence_packing.train_mb_tokens={n}"] for n in (256, 512, 1024)}}
-dist.init_process_group("gloo", rank=0, world_size=1)
+grpo.setup_distributed()
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 generator, samples = torch.Generator().manual_seed(0), []
 for q in range(4):
@@ -35,17 +31,18 @@ common = [f"policy.model_name={model_dir}", "policy.precision=float32", "grpo.nu
           "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
           "policy.train_micro_batch_size=32", "policy.logprob_batch_size=32", "policy.max_total_sequence_length=160",
           "policy.generation.max_new_tokens=64", "loss_fn.reference_policy_kl_penalty=0"]
-model = grpo.load_policy(model_dir, grpo.load_config(common), torch.device("cpu"), trainable=True)
-optimizer, scheduler = grpo.make_optimizer(model, grpo.OptimizerConfig(lr=1e-5))
+cfg = grpo.load_config(common + ["policy.optimizer.lr=1e-5"])
+model = grpo.load_policy(model_dir, cfg, trainable=True)
+optimizer = grpo.make_optimizer(model, cfg.policy.optimizer)
 print(f"{sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)} tokens, "
       f"{sum(len(s.completion_ids) for s in samples)} of them generated", flush=True)
 times = {name: [] for name in MICRO_BATCHINGS}
 for _ in range(repeats):
     for name, options in MICRO_BATCHINGS.items():
         cfg = grpo.load_config(common + options)
-        batch = grpo.make_batch(samples, cfg, tokenizer.pad_token_id, torch.device("cpu"))
+        batch = grpo.make_batch(samples, cfg, tokenizer.pad_token_id)
         start = time.perf_counter()
-        grpo.train_step(model, optimizer, scheduler, batch, cfg, torch.device("cpu"))
+        grpo.train_step(model, optimizer, batch, cfg, step=1)
         times[name].append(time.perf_counter() - start)
 for name, seconds in times.items():
     print(f"{name}: " + ", ".join(f"{s:.1f}" for s in seconds) + " s")
