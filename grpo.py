@@ -438,13 +438,15 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
     loss_mask = batch.token_mask * ~(g.overlong_filtering & batch.truncated[:, None])  # [B, T] DAPO: truncated: none
     sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}
     loss_sum, grad_norms, skipped = 0.0, [], 0
+    generator = None  # bf16: the rounding of this step's weights, different on every rank (shard)
+    if p.precision == "bfloat16":
+        generator = torch.Generator(device()).manual_seed(seed_of(cfg.grpo.seed, step, dist.get_rank()))
     for k in range(n_updates):
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device())  # this update's samples on this rank
         local = loss_mask[rows].sum() if cfg.loss_fn.token_level_loss else loss_mask[rows].amax(1).sum()
         (normalizer,) = all_reduce([local.item()])  # valid tokens (or sequences) of the global batch
         micro = list(plan_micro_batches(batch.input_ids, batch.token_mask, rows, p, "train"))
-        for n, (m, width) in enumerate(micro):
-            model.set_requires_gradient_sync(n == len(micro) - 1)  # reduce-scatter once, after the last
+        for m, width in micro:  # each backward reduce-scatters: gradients stay sharded between micro-batches
             logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width], p)
             if own_prev:
                 batch.prev_logprobs[m, :width] = logprobs.detach()
@@ -468,9 +470,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
         grad_norms.append(grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item())
         lr = get_lr((step - 1) * n_updates + k, p.optimizer)
         if math.isfinite(grad_norms[-1]):  # the global norm: every rank takes the same decision
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
+            optimizer_step(optimizer, lr, generator)
         else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights and Adam's moments
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
@@ -484,6 +484,24 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
         "train/lr": lr,
         "train/skipped_updates": skipped,
     }
+
+
+def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -> None:
+    """AdamW at `lr`. bf16: one bf16 copy serves the trainer's forward and the engine. The update goes to fp32 masters
+    (in the optimizer's state, so in checkpoints) and the weights become their stochastic rounding, unbiased: updates
+    under half a bf16 step still move them, on average (to nearest, a pretrained model would stay frozen)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    with torch.no_grad():
+        for p in params:
+            if "master" in optimizer.state[p]:
+                p.copy_(optimizer.state[p]["master"])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        for p in params:
+            if generator is not None:  # fp32 values on the bf16 grid: FSDP's cast to bf16 and the refit are exact
+                optimizer.state[p].setdefault("master", torch.empty_like(p)).copy_(p)
+                p.to_local().copy_(stochastic_round(p.to_local(), generator))
 
 
 def validate(run: Run, step: int) -> dict:
@@ -526,8 +544,10 @@ class VllmEngine:
         from vllm import LLM, SamplingParams
 
         # What vLLM warns about by design: at every refit, that rotary buffers and a tied head get no tensors of
-        # their own; on CPU, that it skips torch.set_num_threads calls after binding its threads.
-        by_design = ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights", "binding")
+        # their own (an untied head that gets none after level-2 sleep holds garbage: that warning stays); on CPU,
+        # that it skips torch.set_num_threads calls after binding its threads.
+        tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
+        by_design = ("RotaryEmbedding: Failed to load weights", "binding") + ("ParallelLMHead: Failed",) * tied
         for name in ("model_executor.model_loader.reload.layerwise", "v1.worker.cpu_worker"):
             logging.getLogger(f"vllm.{name}").addFilter(lambda r: not any(p in r.getMessage() for p in by_design))
         self.SamplingParams, self.cfg, self.gen = SamplingParams, cfg, cfg.policy.generation
@@ -553,7 +573,7 @@ class VllmEngine:
             **({} if self.sleeps else cpu),
             **self.gen.vllm_kwargs,
         )
-        self.repack_tied_head = not self.sleeps and self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
+        self.repack_tied_head = tied and not self.sleeps
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool, stop: list, max_tokens: list[int]):
         requests = list(zip(prompt_ids, seeds, stop, max_tokens))
@@ -588,10 +608,8 @@ class VllmEngine:
     def prepare_for_generation(self, model, version: int) -> None:
         """Wake with the policy's weights of `version` (trained steps), refitting if needed."""
         if version != self.version or self.asleep:  # asleep: level 2 dropped the weights
-            p = self.cfg.policy
             generator = torch.Generator(model.device).manual_seed(seed_of(self.cfg.grpo.seed, version))
-            stochastic = p.precision == "bfloat16" and p.refit_rounding == "stochastic"
-            self.refit(weight_buckets(model, p, generator if stochastic else None))
+            self.refit(weight_buckets(model, self.cfg.policy, generator))
             self.version = version
 
     def refit(self, buckets) -> None:
@@ -621,14 +639,20 @@ class VllmEngine:
         if self.sleeps:
             before = free_gib()
             self.llm.sleep(level=2)
-            self.asleep = True
-            self.metrics["memory/sleep_freed_gib"] = free_gib() - before
+            self.asleep, self.freed_gib = True, free_gib() - before
+            self.metrics["memory/sleep_freed_gib"] = self.freed_gib
             self.metrics["memory/free_gib_training"] = free_gib()
 
     def wake_up(self, tags: list[str]) -> None:
         # Give the trainer's cached-but-free blocks back to the device first: vLLM allocates outside torch's cache.
         gc.collect()
         torch.cuda.empty_cache()
+        needed = self.freed_gib if "weights" in tags else 0  # weights and KV cache; vLLM checks at start only
+        if free_gib() < needed:
+            raise ConfigError(
+                f"waking vLLM needs {needed:.1f} GiB, {free_gib():.1f} are free: lower "
+                "policy.generation.vllm_cfg.gpu_memory_utilization (or the trainer's micro-batch tokens)"
+            )
         self.llm.wake_up(tags=tags)
         self.asleep = "kv_cache" not in tags
         self.metrics[f"memory/free_gib_after_wake_{'_'.join(tags)}"] = free_gib()
@@ -815,6 +839,8 @@ def load_policy(path: str, cfg: Config, trainable: bool):
         dist.broadcast(buffer, src=0)
     for name, param in model.named_parameters():
         param.requires_grad_(trainable and (not lora or ".lora_" in name))
+        if cfg.policy.precision == "bfloat16" and not param.requires_grad:  # frozen: the bf16 copy FSDP computes with
+            param.to_local().copy_(param.to_local().to(torch.bfloat16))
     return model.train(trainable)
 
 
@@ -832,22 +858,25 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
 
 
 def weight_buckets(model, p: Config, generator: Optional[torch.Generator] = None):
-    """The full weights as [(name, tensor)] buckets of ~policy.refit_buffer_size_gb, split between layers."""
+    """The full weights as [(name, tensor)] buckets of ~policy.refit_buffer_size_gb, split between layers, in
+    policy.precision. A LoRA merge W + B A x scale is rounded stochastically with a generator (to nearest, a small
+    update would vanish into W); other weights are cast as they are (bf16: they are on the bf16 grid already)."""
     dtype, bucket_bytes = getattr(torch, p.precision), p.refit_buffer_size_gb * 2**30
     from transformers.core_model_loading import revert_weight_conversion
 
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
     adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
-    cast = functools.partial(stochastic_round, generator=generator) if generator else lambda t: t.to(dtype)
+    rounding = generator is not None and dtype == torch.bfloat16
+    cast = functools.partial(stochastic_round, generator=generator) if rounding else lambda t: t.to(dtype)
 
     def merged(bucket: dict) -> dict:  # LoRA: W + (B @ A) x scale in fp32, under the base layer's own names
         for prefix, scale in adapters.items():
             if prefix + "base.weight" in bucket:
                 lora_a, lora_b = bucket.pop(prefix + "lora_A.weight"), bucket.pop(prefix + "lora_B.weight")
-                bucket[prefix + "weight"] = bucket.pop(prefix + "base.weight") + (lora_b @ lora_a) * scale
+                bucket[prefix + "weight"] = cast(bucket.pop(prefix + "base.weight") + (lora_b @ lora_a) * scale)
                 if prefix + "base.bias" in bucket:
-                    bucket[prefix + "bias"] = bucket.pop(prefix + "base.bias")
-        return revert_weight_conversion(model, {k: cast(v) for k, v in bucket.items()} if adapters else bucket)
+                    bucket[prefix + "bias"] = bucket.pop(prefix + "base.bias").to(dtype)
+        return revert_weight_conversion(model, bucket)
 
     def unit(item):  # the decoder layer a parameter belongs to; "" for the root's (embeddings, final norm, head)
         return next((layer for layer in layers if item[0].startswith(layer)), "")
@@ -861,7 +890,8 @@ def weight_buckets(model, p: Config, generator: Optional[torch.Generator] = None
             bucket, size = {}, 0
         for name, param in params:
             local = (param.to_local() if isinstance(param, DTensor) else param).detach()
-            local = local if adapters else cast(local)  # before the gather: half the traffic (LoRA: after merging)
+            if not name.startswith(tuple(adapters)):  # before the gather: half the traffic (an adapted layer: fp32)
+                local = local.to(dtype)
             if isinstance(param, DTensor):
                 placement = dict(shape=param.shape, stride=param.stride())  # uneven shards need both
                 local = DTensor.from_local(local, param.device_mesh, param.placements, **placement).full_tensor()
@@ -1305,8 +1335,13 @@ def prune_checkpoints(ckpt: Config) -> None:
         shutil.rmtree(steps[step])
 
 
-def load_checkpoint(path: str, policy, optimizer) -> dict:
-    """Model and optimizer, resharded by DCP to this run's ranks; returns training_info.json."""
+def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
+    """Model and optimizer (bf16: its fp32 masters too), resharded by DCP to this run's ranks; training_info.json."""
+    for p in [p for group in optimizer.param_groups for p in group["params"]]:
+        p.grad = torch.zeros_like(p)  # DCP fills the optimizer state that exists: an update at lr 0 makes it
+    bf16 = cfg.policy.precision == "bfloat16"
+    optimizer_step(optimizer, 0.0, torch.Generator(device()) if bf16 else None)
+    optimizer.zero_grad(set_to_none=True)
     state = trained_state(policy, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(path, "policy"))
     options = StateDictOptions(strict=False)  # LoRA: the base weights are not in it
@@ -1432,7 +1467,6 @@ RULES = {
     "loss_fn.truncated_importance_sampling_ratio_min": "float >= 0",
     "loss_fn.truncated_importance_sampling_type": "tis, icepop or seq-mask-tis",
     "policy.precision": "bfloat16 or float32",
-    "policy.refit_rounding": "stochastic or nearest",
     "policy.sequence_packing.train_mb_tokens": "int > 0",
     "policy.sequence_packing.logprob_mb_tokens": "int > 0",
     "policy.lora.dropout": "in [0, 1)",
@@ -1457,6 +1491,7 @@ RANGES = {
 }
 # Knobs that are gone, with what replaces them.
 REMOVED = {
+    "policy.refit_rounding": "one bf16 copy, rounded stochastically after each update, serves trainer and engine",
     "grpo.val_batch_size": "the engine schedules the validation prompts itself",
     "policy.dynamic_batching": "use policy.sequence_packing",
     "policy.generation.vllm_cfg.sleep_level": "vLLM always sleeps at level 2 on CUDA: every refit rewrites all weights",
@@ -1646,9 +1681,10 @@ def stop_all_ranks_on_failure():
         yield
     except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
         raise
-    except BaseException:  # this rank alone: show where, and take the other ranks down with it
+    except BaseException as e:  # this rank alone: show where, and take the other ranks down with it
         exit_if_another_failed()  # if so, this rank's own error is only a broken collective
-        print(f"rank {dist.get_rank()} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        why = f"config error: {e}" if isinstance(e, ConfigError) else traceback.format_exc()
+        print(f"rank {dist.get_rank()} failed:\n{why}", file=sys.stderr, flush=True)
         store.set(key, str(dist.get_rank()))
         os._exit(1)
     finally:
@@ -1798,7 +1834,7 @@ def setup(cfg: Config) -> Run:
     optimizer = make_optimizer(policy, cfg.policy.optimizer)
     info = {"step": 0, "consumed_samples": 0, "val_reward": None}
     if resume_from:
-        info = load_checkpoint(resume_from, policy, optimizer)
+        info = load_checkpoint(resume_from, policy, optimizer, cfg)
         done = f": grpo.max_num_steps={g.max_num_steps} is reached, nothing to train"
         print0(f"resumed from {resume_from} (step {info['step']})" + (done if info["step"] >= g.max_num_steps else ""))
     print0(
@@ -1849,9 +1885,9 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     metrics["perf/trained_tokens_per_s"] = trained / world / times["policy_training"]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in gpu), None)
-    if peak:
-        params = sum(p.numel() for p in run.policy.parameters())
-        metrics["perf/mfu"] = 6 * params * metrics["perf/trained_tokens_per_s"] / peak
+    if peak:  # 6 flops per trained weight and token; a frozen one (LoRA's base) gets no weight gradient: 4
+        flops = sum((6 if p.requires_grad else 4) * p.numel() for p in run.policy.parameters())
+        metrics["perf/mfu"] = flops * metrics["perf/trained_tokens_per_s"] / peak
     metrics.update({**run.engine.metrics, **{f"timing/train/{k}": v for k, v in times.items()}})
     run.engine.metrics.clear()
     columns = (batch.rewards, batch.advantages, batch.generation_logprobs, batch.prev_logprobs, batch.token_mask > 0)
