@@ -1212,6 +1212,7 @@ def prompt_indices(start: int, k: int, size: int, cfg: Config) -> list[int]:
 # Keys (and sections) that change the data order, the data or the model: a resume across a change is refused.
 RESUME_KEYS = [
     "policy.model_name",
+    "policy.precision",
     "grpo.seed",
     "grpo.num_prompts_per_step",
     "data.",
@@ -1343,7 +1344,11 @@ def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
     optimizer_step(optimizer, 0.0, torch.Generator(device()) if bf16 else None)
     optimizer.zero_grad(set_to_none=True)
     state = trained_state(policy, optimizer)
-    dcp.load(state, checkpoint_id=os.path.join(path, "policy"))
+    try:
+        dcp.load(state, checkpoint_id=os.path.join(path, "policy"))
+    except dcp.CheckpointException as e:  # a bf16 run's fp32 masters missing: another precision or an older grpo.py
+        why = str(e).strip().splitlines()[-1]
+        raise ConfigError(f"{path} does not fit this run ({why}); use another checkpointing.checkpoint_dir")
     options = StateDictOptions(strict=False)  # LoRA: the base weights are not in it
     set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     with open(os.path.join(path, "training_info.json")) as f:
