@@ -1530,9 +1530,8 @@ def check_knob(key: str, value, default):
             value = float(value)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ConfigError(f"config key '{key}': expected {kind.__name__}, got {type(value).__name__} ({value!r})")
-    if condition in RANGES and not RANGES[condition](value):
-        raise ConfigError(f"{key} must be {condition}, got {value!r}")
-    if condition and condition not in RANGES and value not in re.split(", | or ", condition):
+    allowed = RANGES[condition](value) if condition in RANGES else value in re.split(", | or ", condition)
+    if condition and not allowed:
         raise ConfigError(f"{key} must be {condition}, got {value!r}")
     return value
 
