@@ -22,13 +22,15 @@ Knobs: config.yaml. Overrides are `section.key=value` (YAML values); `--config m
 
 from __future__ import annotations
 
-import ast, contextlib, difflib, functools, gc, importlib, itertools, json, logging, math, multiprocessing, numbers
-import operator, os, re, shutil, signal, socket, sys, tempfile, threading, time, traceback
+import ast, contextlib, difflib, functools, gc, importlib, inspect, itertools, json, logging, math, multiprocessing
+import numbers, operator, os, re, shutil, signal, socket, sys, tempfile, threading, time, traceback, warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
+if "VLLM_LOGGING_LEVEL" not in os.environ:  # a quiet start: torch's C++ notes (vLLM's NUMA binding) when asked for
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import jinja2
 import numpy as np
 import torch
@@ -59,7 +61,8 @@ class Sample:
     generation_logprobs: list[float] = field(default_factory=list)  # the engine's, per token; 0 on observations
     trained: list[int] = field(default_factory=list)  # 1 on the assistant's tokens (EOS / stop included), else 0
     turns: list[dict] = field(default_factory=list)  # [{"role", "text"}], for train_data_step{N}.jsonl
-    reward: float = 0.0  # the sum of the turns' rewards
+    reward: float = 0.0  # the sum of the turns' rewards (one turn: the reward functions' weighted sum)
+    rewards: dict = field(default_factory=dict)  # each reward function's own value (None: it does not apply)
     end: Optional[str] = None  # "done" (said the environment), "truncated" (out of tokens) or "max_turns"
 
     def extend(self, ids: list[int], logprobs: list[float], trained: int) -> None:
@@ -112,13 +115,13 @@ def generate_share(run: Run, rows: list[dict], n: int, seed: int, step: int, off
 def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """This rank's share of the step's samples, scored, with advantages (DAPO's dynamic sampling refills groups)."""
     g = run.cfg.grpo
-    n, kept, reward_sum = g.num_generations_per_prompt, [], 0.0
+    n, kept, generated = g.num_generations_per_prompt, [], []
     per_round = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)  # prompts, all ranks
     for round_ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
         indices = prompt_indices(run.info["consumed_samples"], per_round, len(run.train_rows), run.cfg)
         run.info["consumed_samples"] += per_round
         samples = generate_share(run, [run.train_rows[i] for i in indices], n, g.seed, step, round_ * per_round)
-        reward_sum += sum(s.reward for s in samples)
+        generated += samples
         groups = [samples[i : i + n] for i in range(0, len(samples), n)]
         if not g.use_dynamic_sampling:
             break
@@ -133,13 +136,17 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
             "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
         )
     samples = [s for group in groups for s in group]
-    generated = (round_ + 1) * per_round * n
-    reward_sum, kept_sum = all_reduce([reward_sum, sum(s.reward for s in samples)])
-    metrics = {"train/reward": reward_sum / generated}  # every sample generated
+    parts = gather_all([(s.reward, s.rewards) for s in generated])  # every sample generated, all ranks
+    metrics = {"train/reward": float(np.mean([reward for reward, _ in parts]))}
+    for name in parts[0][1]:  # each reward function's mean and std over the samples it applies to (TRL's names)
+        values = [rewards[name] for _, rewards in parts if rewards[name] is not None]
+        metrics[f"train/rewards/{name}/mean"] = float(np.mean(values)) if values else math.nan
+        metrics[f"train/rewards/{name}/std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
     if g.use_dynamic_sampling:
+        (kept_sum,) = all_reduce([sum(s.reward for s in samples)])
         metrics["train/filtered_reward"] = kept_sum / (g.num_prompts_per_step * n)
         metrics["train/dynamic_sampling_num_gen_batches"] = round_ + 1
-        metrics["train/dynamic_sampling_num_discarded_samples"] = generated - g.num_prompts_per_step * n
+        metrics["train/dynamic_sampling_num_discarded_samples"] = len(parts) - g.num_prompts_per_step * n
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
 
 
@@ -148,7 +155,7 @@ def generate_samples(run: Run, rows: list[dict], seeds: list[int], n: int, greed
     cfg, tokenizer = run.cfg, run.tokenizer
     rows = [r for r in rows for _ in range(n)]
     samples = [Sample(r["prompt"], r["prompt_ids"]) for r in rows]
-    envs = [run.make_env(r) for r in rows]
+    envs = [run.make_env(r) if run.make_env else None for r in rows]
     max_len, max_turns = cfg.policy.max_total_sequence_length, cfg.grpo.max_rollout_turns
     for turn in range(max_turns):
         going = [i for i, s in enumerate(samples) if s.end is None]
@@ -164,7 +171,12 @@ def generate_samples(run: Run, rows: list[dict], seeds: list[int], n: int, greed
             max_tokens=[min(cfg.policy.generation.max_new_tokens, max_len - samples[i].length()) for i in going],
         )
         texts = tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
-        stepped = run.runner([(envs[i], text) for i, text in zip(going, texts)])
+        if run.make_env is None:  # one turn, scored by the reward functions
+            ids = [ids for ids, _, _ in results]
+            rewards = score(run, [rows[i] for i in going], [samples[i] for i in going], texts, ids)
+            stepped = [(None, None, reward, True) for reward in rewards]
+        else:
+            stepped = step_envs(run.runner, [envs[i] for i in going], texts)
         for i, (ids, logprobs, cut), text, (env, observation, reward, done) in zip(going, results, texts, stepped):
             s, envs[i] = samples[i], env
             s.extend(ids, logprobs.tolist(), trained=1)
@@ -404,7 +416,10 @@ def micro_batches(lengths: list[int], shared: list[int], max_samples: int, budge
 def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, p: Config, kind: str):
     """Yields the micro-batches of `rows` for 'train' or 'logprob': (row indices [mbs], width without padding)."""
     size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
-    budget = p.sequence_packing[f"{kind}_mb_tokens"] or size * p.max_total_sequence_length
+    # Unset: a micro-batch of full-length samples on CUDA; on CPU, where attention over the packed row's dense mask
+    # costs most, 512 tokens (the fastest budget measured on SmolLM2, README).
+    default = size * p.max_total_sequence_length if torch.cuda.is_available() else 512
+    budget = p.sequence_packing[f"{kind}_mb_tokens"] or default
     lengths = sample_lengths(token_mask[rows])
     shared = shared_prompt_lengths(input_ids[rows], token_mask[rows])
     for group in micro_batches(lengths.tolist(), shared.tolist(), size, budget if p.sequence_packing.enabled else None):
@@ -539,17 +554,24 @@ class VllmEngine:
 
     def __init__(self, path: str, cfg: Config):
         vcfg = cfg.policy.generation.vllm_cfg
+        # What vLLM warns about by design here: at every refit, that rotary buffers and a tied head get no tensors
+        # of their own (an untied head that gets none after level-2 sleep holds garbage: that warning stays); and,
+        # unless VLLM_LOGGING_LEVEL is set, what a user cannot act on: no Triton on CPU, chunked prefill off (ours),
+        # a float32 checkpoint cast, thread binding and the LD_PRELOAD advice (README), a deprecated torch name,
+        # enforce_eager's consequences.
+        tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
+        by_design = ["RotaryEmbedding: Failed to load weights"] + ["ParallelLMHead: Failed"] * tied
+        if "VLLM_LOGGING_LEVEL" not in os.environ:
+            by_design += ["Triton", "chunked prefill", "SSM cache", "Attempted to load weight", "binding", "LD_PRELOAD"]
+            by_design += ["Enforce eager", "Inductor compilation"]  # vllm_cfg.enforce_eager is the user's choice
+            warnings.filterwarnings("ignore", message=".*reduce_op` is deprecated")
+        loggers = "triton_utils.importing platforms.cpu config.vllm engine.arg_utils v1.worker.cpu_worker"
+        for name in loggers.split() + ["model_executor.models.utils", "model_executor.model_loader.reload.layerwise"]:
+            logging.getLogger(f"vllm.{name}").addFilter(lambda r: not any(p in r.getMessage() for p in by_design))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines only when asked for
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; by default a share of all RAM
         from vllm import LLM, SamplingParams
 
-        # What vLLM warns about by design: at every refit, that rotary buffers and a tied head get no tensors of
-        # their own (an untied head that gets none after level-2 sleep holds garbage: that warning stays); on CPU,
-        # that it skips torch.set_num_threads calls after binding its threads.
-        tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
-        by_design = ("RotaryEmbedding: Failed to load weights", "binding") + ("ParallelLMHead: Failed",) * tied
-        for name in ("model_executor.model_loader.reload.layerwise", "v1.worker.cpu_worker"):
-            logging.getLogger(f"vllm.{name}").addFilter(lambda r: not any(p in r.getMessage() for p in by_design))
         self.SamplingParams, self.cfg, self.gen = SamplingParams, cfg, cfg.policy.generation
         self.sleeps, self.asleep, self.version = torch.cuda.is_available(), False, 0  # version: the trained steps
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
@@ -570,6 +592,7 @@ class VllmEngine:
             enable_prefix_caching=True,
             enable_sleep_mode=self.sleeps,
             logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
+            use_tqdm_on_load=False,
             **({} if self.sleeps else cpu),
             **self.gen.vllm_kwargs,
         )
@@ -1044,22 +1067,56 @@ def import_object(spec: str, key: str) -> Any:
         raise ConfigError(f"{key}: cannot load '{spec}' ({e})")
 
 
-def get_reward_fn(cfg: Config) -> Callable[[str, str, Any], float]:
-    """env.reward_fn, else the built-in task's reward, else math_reward."""
+def get_reward_fns(cfg: Config) -> list[tuple[Callable, float]]:
+    """(function, weight) of each env.reward_fn, else the built-in task's reward, else math_reward."""
     if cfg.env.reward_fn:
-        return import_object(cfg.env.reward_fn, "env.reward_fn")
+        functions = [import_object(spec, "env.reward_fn") for spec in cfg.env.reward_fn]
+        return list(zip(functions, cfg.env.reward_weights or [1.0] * len(functions)))
     task_reward = TASKS.get(cfg.data.dataset_name, (None, math_reward))[1]
-    return task_reward if not isinstance(task_reward, type) else math_reward
+    return [(task_reward if not isinstance(task_reward, type) else math_reward, 1.0)]
 
 
-class RewardEnv:
-    """One turn, scored by a reward function (prompt, completion, answer) -> float: how env.reward_fn is run."""
+def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], completion_ids: list) -> list[float]:
+    """One turn's rewards: each function's values go to sample.rewards, their weighted sums are returned. A function
+    whose signature takes `completions` is called as TRL calls it, once, with keyword lists: prompts and completions
+    as chat messages, completion_ids, and every other column of the data rows; others once per sample, (prompt,
+    completion, answer). None: the function does not apply (adds nothing); a failure scores 0, with a warning."""
+    totals, errors = [0.0] * len(rows), []
+    for fn, weight in run.reward_fns:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        if "completions" in inspect.signature(fn).parameters:
+            columns = {
+                k: [r["columns"][k] for r in rows] for k in rows[0]["columns"] if k not in ("prompt", "completion")
+            }
+            messages = [[{"role": "assistant", "content": text}] for text in texts]
+            kwargs = dict(columns, prompts=[r["messages"] for r in rows], completions=messages)
+            ((values, why),) = run.runner([(fn, (), dict(kwargs, completion_ids=completion_ids))])
+            if why is None and not (isinstance(values, (list, tuple)) and len(values) == len(rows)):
+                why = f"returned {type(values).__name__} {values!r:.50}, not a list of {len(rows)} values"
+            results = [(None, why)] * len(rows) if why else [(value, None) for value in values]
+        else:
+            results = run.runner([(fn, (r["prompt"], text, r["answer"]), {}) for r, text in zip(rows, texts)])
+        for i, (sample, (value, why)) in enumerate(zip(samples, results)):
+            why = why or (None if value is None else not_finite(value))
+            if why:
+                errors.append(f"{name} {why}")
+            sample.rewards[name] = 0.0 if why else None if value is None else float(value)
+            totals[i] += weight * (sample.rewards[name] or 0.0)
+    warn_failures(errors, len(rows) * len(run.reward_fns))
+    return totals
 
-    def __init__(self, row: dict, reward_fn: Callable):
-        self.row, self.reward_fn, self.name = row, reward_fn, getattr(reward_fn, "__qualname__", repr(reward_fn))
 
-    def step(self, text: str):
-        return None, self.reward_fn(self.row["prompt"], text, self.row["answer"]), True
+def not_finite(value) -> Optional[str]:
+    """Why a reward is not a finite number, else None."""
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        return None
+    return f"returned {value!r}, not a finite number"
+
+
+def warn_failures(errors: list[str], n: int) -> None:
+    if errors:
+        why = "; ".join(sorted(set(errors))[:5])
+        warn(f"reward or environment failed on {len(errors)} of {n} samples, scored 0 ({why})")
 
 
 class LettersEnv:
@@ -1093,62 +1150,67 @@ TASKS = {
 }
 
 
-def get_environment(cfg: Config) -> Callable[[dict], Any]:
-    """row -> a new environment: env.environment, else the task's own (letters), else the reward as one turn."""
+def get_environment(cfg: Config) -> Optional[Callable[[dict], Any]]:
+    """row -> a new environment: env.environment, else the task's own (letters); None: one turn, reward functions."""
     if cfg.env.environment:
         return import_object(cfg.env.environment, "env.environment")
     task_env = TASKS.get(cfg.data.dataset_name, (None, None))[1]
-    if isinstance(task_env, type):
-        return task_env
-    return functools.partial(RewardEnv, reward_fn=get_reward_fn(cfg))
+    return task_env if isinstance(task_env, type) else None
 
 
-def safe_step(env, text: str) -> tuple:
-    """env.step(text) -> (env, observation, reward, done, error). An exception or a non-finite reward ends the episode
-    with reward 0 and says why in `error`: a user's bug never ends a run. The env returns (a worker steps a copy)."""
-    name = getattr(env, "name", f"{type(env).__qualname__}.step")
+def env_step(env, text: str) -> tuple:
+    """(env, observation, reward, done): the environment comes back with its state (a worker steps a copy)."""
+    return (env, *env.step(text))
+
+
+def step_envs(runner: Runner, envs: list, texts: list[str]) -> list[tuple]:
+    """Each environment's step on its text -> (env, observation, reward, done); a failure ends that episode with
+    reward 0 and a warning."""
+    stepped, errors = [], []
+    for env, (result, why) in zip(envs, runner([(env_step, (env, text), {}) for env, text in zip(envs, texts)])):
+        why = why or not_finite(result[2])
+        if why:
+            errors.append(f"{type(env).__qualname__}.step {why}")
+        stepped.append((env, None, 0.0, True) if why else (result[0], result[1], float(result[2]), bool(result[3])))
+    warn_failures(errors, len(envs))
+    return stepped
+
+
+def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    """fn(*args, **kwargs) -> (result, None), or (None, why) when it raises: a user's bug never ends a run."""
     try:
-        observation, reward, done = env.step(text)
+        return fn(*args, **kwargs), None
     except Exception as e:
-        return env, None, 0.0, True, f"{name} raised {type(e).__name__}: {e}"
-    if isinstance(reward, numbers.Real) and math.isfinite(reward):
-        return env, observation, float(reward), bool(done), None
-    return env, None, 0.0, True, f"{name} returned {reward!r}, not a finite number"
+        return None, f"raised {type(e).__name__}: {e}"
 
 
-class EnvRunner:
-    """Steps environments via safe_step; with env.reward_timeout_s, in worker processes (late: scored 0)."""
+class Runner:
+    """Runs the users' rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)]: in this process, or
+    with env.reward_timeout_s in worker processes (a call that is late gets why, and a fresh pool follows)."""
 
     def __init__(self, timeout_s: Optional[float]):
         self.timeout_s, self.pool = timeout_s, None
-        self.timed_out = f"no result within env.reward_timeout_s={timeout_s}"
+        self.timed_out = f"gave no result within env.reward_timeout_s={timeout_s}"
         self.workers = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
-    def __call__(self, steps: list[tuple]) -> list[tuple]:
-        """[(env, text)] -> [(env, observation, reward, done)]"""
+    def __call__(self, calls: list[tuple]) -> list[tuple]:
         if not self.timeout_s:
-            results = [safe_step(*a) for a in steps]
-        else:
-            self.pool = self.pool or self.start_pool([env for env, _ in steps])
-            futures = [self.pool.apply_async(safe_step, a) for a in steps]
-            deadline = time.monotonic() + self.timeout_s * math.ceil(len(steps) / self.workers)  # every step's turn
-            for f in futures:
-                f.wait(max(0.0, deadline - time.monotonic()))
-            late = (None, 0.0, True, self.timed_out)
-            results = [f.get() if f.ready() else (env, *late) for f, (env, _) in zip(futures, steps)]
-            if any(r[-1] == self.timed_out for r in results):
-                self.close()  # a stuck worker may never come back: the next call starts a new pool
-        errors = [r[-1] for r in results if r[-1]]
-        if errors:
-            why = "; ".join(sorted(set(errors))[:5])
-            warn(f"reward or environment failed on {len(errors)} of {len(results)} samples, scored 0 ({why})")
-        return [r[:-1] for r in results]
+            return [safe_call(*call) for call in calls]
+        self.pool = self.pool or self.start_pool(calls)
+        futures = [self.pool.apply_async(safe_call, call) for call in calls]
+        deadline = time.monotonic() + self.timeout_s * math.ceil(len(calls) / self.workers)  # every call's turn
+        for f in futures:
+            f.wait(max(0.0, deadline - time.monotonic()))
+        results = [f.get() if f.ready() else (None, self.timed_out) for f in futures]
+        if any(why == self.timed_out for _, why in results):
+            self.close()  # a stuck worker may never come back: the next call starts a new pool
+        return results
 
-    def start_pool(self, envs: list):
+    def start_pool(self, calls: list[tuple]):
         # forkserver: workers are never forked from this process, with its engine and collective threads. The server
-        # imports the environments' and rewards' modules first, so that no worker spends a step's time importing.
+        # imports the rewards' and environments' modules first, so that no worker spends a step's time importing.
         context = multiprocessing.get_context("forkserver")
-        modules = {type(e).__module__ for e in envs} | {e.reward_fn.__module__ for e in envs if hasattr(e, "reward_fn")}
+        modules = {fn.__module__ for fn, _, _ in calls} | {type(args[0]).__module__ for _, args, _ in calls if args}
         context.set_forkserver_preload(sorted(modules))
         return context.Pool(self.workers)
 
@@ -1186,14 +1248,18 @@ def load_rows(name: str, split: str, cfg: Config, n_builtin: int, seed: int) -> 
                 raise ConfigError(
                     f"data: '{name}' is not a built-in task or .jsonl file; a hub dataset needs `datasets`"
                 )
-            records = datasets.load_dataset(name, cfg.dataset_config, split=split)
+            try:
+                records = datasets.load_dataset(name, cfg.dataset_config, split=split)
+            except Exception as e:  # no network, a typo in the name, a missing split
+                key = "data.dataset_name" if name == cfg.dataset_name else "data.val_dataset_name"
+                raise ConfigError(f"{key}: cannot load '{name}' ({type(e).__name__}: {first_line(e)})")
         if len(records) == 0:
             raise ConfigError(f"data: {name} ({split}) is empty")
         for i, r in enumerate(records):
             for key in (question, answer):
                 if key not in r:
                     raise ConfigError(f"data: {name} row {i + 1} has no field '{key}' (fields: {sorted(r)})")
-    return [{"prompt": cfg.prompt_template.format(r[question]), "answer": r[answer]} for r in records]
+    return [{"prompt": cfg.prompt_template.format(r[question]), "answer": r[answer], "columns": r} for r in records]
 
 
 def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -1211,15 +1277,17 @@ def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
-    """Chat template -> token ids. Prompts that leave no room for max_new_tokens are dropped and counted."""
-    budget = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    """Chat template -> token ids. Prompts that leave no room for max_new_tokens are dropped and counted; with
+    max_new_tokens at the sequence length (NeMo-RL's configs), the engine stops at it and a prompt needs one token."""
+    max_len, max_new_tokens = cfg.policy.max_total_sequence_length, cfg.policy.generation.max_new_tokens
+    budget = max_len - max_new_tokens if max_new_tokens < max_len else max_len - 1
     system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
     kept = []
     for r in rows:
         chat = system + [{"role": "user", "content": r["prompt"]}]
         ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
         if len(ids) <= budget:
-            kept.append({**r, "prompt_ids": list(ids)})
+            kept.append({**r, "prompt_ids": list(ids), "messages": chat})
     return kept, len(rows) - len(kept)
 
 
@@ -1440,6 +1508,7 @@ def record(s: Sample, **extra) -> dict:
         "reward": s.reward,
         "end": s.end,
         "env_tokens": s.trained.count(0),
+        "rewards": s.rewards,
         **extra,
     }
 
@@ -1509,6 +1578,8 @@ RULES = {
     "policy.generation.vllm_cfg.gpu_memory_utilization": "in (0, 1]",
     "policy.generation.vllm_cfg.max_model_len": "int > 0",
     "data.dataset_config": "or null",
+    "env.reward_fn": "list",
+    "env.reward_weights": "list",
     "env.reward_timeout_s": "> 0 or null",
     "logger.num_samples_to_print": ">= 0",
     "checkpointing.keep_top_k": "> 0 or null",
@@ -1542,7 +1613,7 @@ def check_knob(key: str, value, default):
     kind = type(default)
     if default is None:
         type_name, _, condition = condition.partition(" ")
-        kind = {"int": int, "float": float, "str": str}[type_name]
+        kind = {"int": int, "float": float, "str": str, "list": list}[type_name]
     if isinstance(value, CommandLineValue):
         try:
             parsed = yaml.safe_load(value)
@@ -1551,6 +1622,8 @@ def check_knob(key: str, value, default):
         value = str(value) if kind is str and not isinstance(parsed, (str, type(None))) else parsed
     if value is None and nullable:
         return None
+    if kind is list and not isinstance(value, list):  # one value where a list is expected: a list of one
+        value = [value]
     if kind is float and type(value) in (int, str):  # an int, or what PyYAML reads as a string (1e-5: no dot)
         with contextlib.suppress(ValueError):
             value = float(value)
@@ -1592,8 +1665,6 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"the {samples} samples of a step must be a multiple of policy.train_global_batch_size")
     if not p.sequence_packing.enabled and p.train_global_batch_size % (p.train_micro_batch_size * world_size):
         raise ConfigError("policy.train_global_batch_size must be divisible by train_micro_batch_size x world size")
-    if p.generation.max_new_tokens >= p.max_total_sequence_length:
-        raise ConfigError("policy.generation.max_new_tokens must be smaller than policy.max_total_sequence_length")
     if world_size % p.generation.vllm_cfg.tensor_parallel_size:
         raise ConfigError(f"policy.generation.vllm_cfg.tensor_parallel_size must divide the world size {world_size}")
     if len(p.optimizer.betas) != 2:
@@ -1606,8 +1677,11 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min must not exceed its ratio")
     if g.val_greedy and g.val_num_generations_per_prompt > 1:
         raise ConfigError("grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1")
-    if cfg.env.reward_fn is not None and ":" not in cfg.env.reward_fn:
-        raise ConfigError("env.reward_fn must be 'module:function' or null")
+    if not all(isinstance(spec, str) and ":" in spec for spec in cfg.env.reward_fn or []):
+        raise ConfigError("env.reward_fn must be 'module:function', a list of them, or null")
+    weights = cfg.env.reward_weights
+    if weights is not None and (len(weights) != len(cfg.env.reward_fn or [None]) or any(map(not_finite, weights))):
+        raise ConfigError("env.reward_weights must be one number per env.reward_fn")
 
 
 def read_yaml(path: str) -> dict:
@@ -1635,15 +1709,93 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# A NeMo-RL config file (one with a NeMo-RL-only section: `cluster`, `defaults`, `policy.dtensor_cfg` or
+# `policy.megatron_cfg`) is read as it is: interpolations resolved, its keys taken under grpo.py's names (the same
+# unless renamed here, by prefix), and those grpo.py has no use for listed in one warning. Other files stay strict.
+NEMO_RL_ONLY = ("cluster", "defaults", "policy.dtensor_cfg", "policy.megatron_cfg")
+NEMO_RL_KEYS = {
+    "policy.optimizer.kwargs.": "policy.optimizer.",  # lr, weight_decay, betas, eps
+    "policy.scheduler.0.kwargs.total_iters": "policy.optimizer.warmup_steps",  # if scheduler 0 is a LinearLR
+    "policy.dtensor_cfg.lora_cfg.": "policy.lora.",
+    "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
+    "logger.wandb.": "logger.wandb_",  # project, name
+    "data.train.dataset_name": "data.dataset_name",
+    "data.default.": "data.",
+    "data.prompt_file": "data.prompt_template",  # the file's text, if the file is here
+    "data.system_prompt_file": "data.system_prompt",
+    "checkpointing.metric_name": "",  # left out: NeMo-RL's val:accuracy is grpo.py's default, val_reward
+}
+
+
+def from_nemo_rl(recipe: dict, path: str, defaults: dict) -> dict:
+    """A NeMo-RL config -> the values grpo.py takes from it, in grpo.py's keys."""
+    if "defaults" in recipe:  # NeMo-RL's inheritance: a parent file, relative to this one
+        recipe = deep_merge(read_yaml(os.path.join(os.path.dirname(path), recipe.pop("defaults"))), recipe)
+    policy = recipe.get("policy", {})
+    policy["scheduler"] = {str(i): s for i, s in enumerate(policy.get("scheduler", []))}  # flattened by index
+    flat, known, values, unused = flatten(recipe), flatten(defaults), {}, []
+    for key, value in flat.items():
+        target = next((new + key[len(old) :] for old, new in NEMO_RL_KEYS.items() if key.startswith(old)), key)
+        value = interpolate(value, recipe, key, path) if target in known else value
+        if key.endswith("_file") and value is not None:  # a prompt file: its text (a missing file is left out)
+            if not os.path.isfile(value):
+                target = key
+            else:
+                with open(value) as f:
+                    value = f.read()
+        if target == "policy.optimizer.warmup_steps" and "LinearLR" not in str(flat.get("policy.scheduler.0.name")):
+            target = key
+        nullable = known.get(target, 0) is None or RULES.get(target, "").endswith("or null")
+        if target in known and (value is not None or nullable):
+            values = deep_merge(values, nested(target, value))
+        else:
+            unused.append(key)
+
+    def section(key: str) -> str:  # the widest section of which every key is left out, else the key
+        parts = key.split(".")
+        prefixes = [".".join(parts[:n]) + "." for n in range(1, len(parts))]
+        return next((p + "*" for p in prefixes if all(k in unused for k in flat if k.startswith(p))), key)
+
+    if unused and os.environ.get("RANK", "0") == "0":
+        left_out = ", ".join(dict.fromkeys(map(section, unused)))
+        print(f"warning: {path} is a NeMo-RL config; grpo.py has no use for {left_out}", file=sys.stderr)
+    return values
+
+
+def interpolate(value, root: dict, key: str, path: str):
+    """OmegaConf's ${a.b} and ${.b} (b next to `key`), and NeMo-RL's ${mul:x, y}, ${max:x, y}: innermost first."""
+    while isinstance(value, str) and (m := re.search(r"\$\{([^${}]*)\}", value)):
+        name, resolver, args = m.group(1).partition(":")
+        try:
+            if resolver:
+                result = {"mul": math.prod, "max": max}[name](yaml.safe_load(f"[{args}]"))
+            else:
+                name = key.rpartition(".")[0] + name if name.startswith(".") else name
+                result = interpolate(functools.reduce(operator.getitem, name.split("."), root), root, name, path)
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"{path}: {key}: cannot resolve {m.group(0)} ({type(e).__name__}: {e})")
+        value = result if m.group(0) == value else value.replace(m.group(0), str(result))
+    return value
+
+
+def nested(key: str, value) -> dict:
+    """'a.b', 1 -> {'a': {'b': 1}}"""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
 def load_config(argv: list[str], world_size: int = 1) -> Config:
     """config.yaml <- --config PATH (a partial file) <- tiny-debug preset <- command line, checked."""
-    recipe = {}
+    recipe, defaults = {}, read_yaml(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"))
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 == len(argv):
             raise ConfigError("command line: --config needs a path")
-        recipe, argv = read_yaml(argv[i + 1]), argv[:i] + argv[i + 2 :]
-    defaults = read_yaml(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"))
+        path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+        recipe = read_yaml(path)
+        if any(key.startswith(NEMO_RL_ONLY) for key in flatten(recipe)):
+            recipe = from_nemo_rl(recipe, path, defaults)
     # The preset goes over the defaults, under a --config file (which may change the preset too) and the command line.
     preset = deep_merge(defaults.pop("tiny_debug_preset"), recipe.pop("tiny_debug_preset", {}))
     values = recipe
@@ -1651,9 +1803,7 @@ def load_config(argv: list[str], world_size: int = 1) -> Config:
         key, sep, raw = arg.partition("=")
         if not sep or not key:
             raise ConfigError(f"command line: '{arg}' is not of the form section.key=value")
-        for part in reversed(key.split(".")):
-            raw = {part: raw if isinstance(raw, dict) else CommandLineValue(raw)}
-        values = deep_merge(values, raw)
+        values = deep_merge(values, nested(key, CommandLineValue(raw)))
     if flatten(values).get("policy.model_name") == "tiny-debug":
         values = deep_merge(preset, values)
     cfg = build_config(defaults, values)
@@ -1748,6 +1898,10 @@ def warn(message: str) -> None:
     print(f"warning (rank {dist.get_rank()}): {message}", file=sys.stderr, flush=True)
 
 
+def first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
 def stop_run(message: str) -> None:
     """A decision every rank takes together: one error line (rank 0), exit code 1."""
     print0(f"error: {message}", file=sys.stderr)
@@ -1778,8 +1932,9 @@ class Run:
     tokenizer: Any
     train_rows: list[dict]
     val_rows: list[dict]
-    make_env: Callable[[dict], Any]  # data row -> a new environment (one per sample)
-    runner: EnvRunner
+    make_env: Optional[Callable[[dict], Any]]  # data row -> a new environment (one per sample); None: one turn
+    reward_fns: list[tuple[Callable, float]]  # (function, weight): what scores a turn without an environment
+    runner: Runner
     engine: Any  # VllmEngine or HFEngine
     policy: Any  # FSDP2 model
     reference: Any  # frozen initial policy for the KL term; None without one
@@ -1830,19 +1985,20 @@ def train(cfg: Config) -> None:
 
 def setup(cfg: Config) -> Run:
     """Tokenizer and data (problems stop here, before any model loads), engine, policy, optimizer, resume."""
+    transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
     try:
         path = resolve_model_path(cfg)
-        try:
+        try:  # no network, a typo in a hub name, a missing directory
             tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"policy.model_name: cannot load '{path}' ({str(e).strip().splitlines()[0]})")
-        tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
+            tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
+        except Exception as e:
+            raise ConfigError(f"policy.model_name: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
         if cfg.policy.lora.enabled and "lm_head" in cfg.policy.lora.target_modules and tied:
             raise ConfigError(
                 "policy.lora.target_modules: this model's lm_head is tied to its embedding (leave it out)"
             )
         train_rows, val_rows = load_datasets(cfg)
-        make_env = get_environment(cfg)
+        make_env, reward_fns = get_environment(cfg), get_reward_fns(cfg)
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
         val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:
@@ -1862,6 +2018,7 @@ def setup(cfg: Config) -> Run:
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         reference = policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
     if engine:
+        print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
         engine.check_refit(policy, [row["prompt_ids"] for row in train_rows[:4]])
     optimizer = make_optimizer(policy, cfg.policy.optimizer)
     info = {"step": 0, "consumed_samples": 0, "val_reward": None}
@@ -1875,13 +2032,14 @@ def setup(cfg: Config) -> Run:
         f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation"
     )
     engine = engine or HFEngine(policy, tokenizer, cfg)
-    runner = EnvRunner(cfg.env.reward_timeout_s)
+    runner = Runner(cfg.env.reward_timeout_s)
     return Run(
         cfg,
         tokenizer,
         train_rows,
         val_rows,
         make_env,
+        reward_fns,
         runner,
         engine,
         policy,

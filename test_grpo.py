@@ -7,6 +7,7 @@ Quick tier (pure functions, config checks, one tiny end-to-end run): python -m p
 """
 
 import gc
+import importlib.util
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import types
 import weakref
@@ -488,7 +490,9 @@ def test_config_yaml_is_the_one_config():
     defaults = grpo.flatten({k: v for k, v in yaml.safe_load(text).items() if k != "tiny_debug_preset"})
     assert set(comments) == set(defaults) == set(grpo.flatten(grpo.load_config([])))
     assert set(grpo.RULES) <= set(defaults)
-    assert all(grpo.RULES.get(k, "str").split()[0] in ("int", "float", "str") for k, v in defaults.items() if v is None)
+    assert all(
+        grpo.RULES.get(k, "str").split()[0] in ("int", "float", "str", "list") for k, v in defaults.items() if v is None
+    )
 
 
 def test_a_config_file_holds_only_what_it_changes(tmp_path):
@@ -503,6 +507,145 @@ def test_a_config_file_holds_only_what_it_changes(tmp_path):
     recipe.write_text("grpo:\n  num_prompts_per_stp: 8\n")
     with pytest.raises(grpo.ConfigError, match="did you mean 'num_prompts_per_step'"):
         grpo.load_config(["--config", str(recipe)])
+
+
+# A config in NeMo-RL's shape (its grpo_math_1B.yaml, cut down and resized for a CPU), as NeMo-RL users have them.
+NEMO_RL_CONFIG = """
+grpo:
+  num_prompts_per_step: 8
+  num_generations_per_prompt: 8
+  max_num_epochs: 1
+  max_num_steps: 2
+  val_batch_size: 64
+  async_grpo:
+    enabled: false
+    max_trajectory_age_steps: 1
+loss_fn:
+  reference_policy_kl_penalty: 0.02
+  ratio_clip_max: 0.28
+  use_on_policy_kl_approximation: false
+policy:
+  model_name: tiny-debug
+  train_global_batch_size: 64
+  train_micro_batch_size: 8
+  logprob_batch_size: ${policy.train_micro_batch_size}
+  max_total_sequence_length: 64
+  logprob_chunk_size: null
+  dtensor_cfg:
+    enabled: true
+    activation_checkpointing: true
+    lora_cfg:
+      enabled: false
+      dim: 4
+  megatron_cfg:
+    enabled: false
+    pipeline_dtype: ${policy.precision}
+  sequence_packing:
+    enabled: true
+    train_mb_tokens: ${mul:${policy.max_total_sequence_length}, ${policy.train_micro_batch_size}}
+    algorithm: modified_first_fit_decreasing
+  optimizer:
+    name: torch.optim.AdamW
+    kwargs:
+      lr: 2.0e-3
+      eps: 1e-8
+      foreach: false
+  scheduler:
+    - name: torch.optim.lr_scheduler.LinearLR
+      kwargs:
+        start_factor: 0.1
+        total_iters: 3
+    - name: torch.optim.lr_scheduler.ConstantLR
+      kwargs:
+        factor: 1.0
+    - milestones: [3]
+  generation:
+    max_new_tokens: ${policy.max_total_sequence_length}
+    temperature: 1.0
+    val_temperature: ${.temperature}
+    vllm_cfg:
+      precision: ${policy.precision}
+      gpu_memory_utilization: 0.5
+      max_model_len: ${policy.max_total_sequence_length}
+data:
+  default:
+    prompt_file: examples/prompts/cot.txt
+  train:
+    dataset_name: debug
+logger:
+  wandb:
+    project: nemo-project
+  gpu_monitoring:
+    collection_interval: 10
+cluster:
+  gpus_per_node: 1
+"""
+
+
+def test_a_nemo_rl_config_runs_as_it_is(tmp_path):
+    """Interpolations resolved, renamed keys taken, max_new_tokens = the sequence length (the engine's limit stops a
+    completion), and one warning listing what grpo.py leaves out; then a run of it to the end."""
+    path = tmp_path / "grpo_math_cpu.yaml"
+    path.write_text(NEMO_RL_CONFIG)
+    expected = {
+        "policy.optimizer.lr": 2e-3,
+        "policy.optimizer.eps": 1e-8,
+        "policy.optimizer.warmup_steps": 3,  # LinearLR's total_iters
+        "policy.logprob_batch_size": 8,
+        "policy.sequence_packing.train_mb_tokens": 512,
+        "policy.activation_checkpointing": True,
+        "policy.lora.dim": 4,
+        "policy.generation.max_new_tokens": 64,
+        "policy.generation.vllm_cfg.max_model_len": 64,
+        "loss_fn.ratio_clip_max": 0.28,
+        "logger.wandb_project": "nemo-project",
+        "data.dataset_name": "debug",
+    }
+    taken = grpo.flatten(grpo.load_config(["--config", str(path)]))
+    assert {key: taken[key] for key in expected} == expected
+    log = tmp_path / "logs"
+    result = run(["grpo.py", "--config", str(path), f"logger.log_dir={log}", "checkpointing.enabled=false"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "is a NeMo-RL config" in line]
+    assert len(warnings) == 1, result.stderr
+    left_out = warnings[0].split("grpo.py has no use for ")[1].split(", ")
+    assert left_out == [
+        "grpo.max_num_epochs",
+        "grpo.val_batch_size",
+        "grpo.async_grpo.*",
+        "loss_fn.use_on_policy_kl_approximation",
+        "policy.logprob_chunk_size",
+        "policy.dtensor_cfg.enabled",
+        "policy.megatron_cfg.*",
+        "policy.sequence_packing.algorithm",
+        "policy.optimizer.name",
+        "policy.optimizer.kwargs.foreach",
+        "policy.scheduler.0.name",
+        "policy.scheduler.0.kwargs.start_factor",
+        "policy.scheduler.1.*",
+        "policy.scheduler.2.*",
+        "policy.generation.val_temperature",
+        "policy.generation.vllm_cfg.precision",
+        "data.default.*",
+        "logger.gpu_monitoring.*",
+        "cluster.*",
+    ]
+    assert [m["step"] for m in read_metrics(log)] == [1, 2]
+    samples = [json.loads(line) for line in open(log / "train_data_step2.jsonl")]
+    assert max(len(s["turns"][0]["text"]) for s in samples) > 16  # past the preset's max_new_tokens: to the length
+    path.write_text(NEMO_RL_CONFIG.replace("size: ${policy.train_micro_batch_size}", "size: ${policy.micro_batch}"))
+    with pytest.raises(grpo.ConfigError, match="policy.logprob_batch_size: cannot resolve"):
+        grpo.load_config(["--config", str(path)])
+
+
+def test_a_model_or_dataset_that_cannot_load_exits_with_one_line(tmp_path):
+    env = {**clean_env(), "HF_HUB_OFFLINE": "1"}
+    for key, value in [("policy.model_name", "nobody/no-such-model"), ("policy.model_name", f"{tmp_path}/nope")]:
+        command = [sys.executable, "grpo.py", f"{key}={value}", f"logger.log_dir={tmp_path}"]
+        result = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2
+        assert result.stderr.strip().startswith(f"config error: {key}: cannot load '{value}'"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_bad_key_exits_fast_with_one_line():
@@ -538,12 +681,18 @@ def test_lora_on_a_tied_head_exits_with_one_line(tmp_path):
 
 def test_reward_fn_from_config():
     cfg = grpo.load_config(TINY + ["env.reward_fn=grpo:countdown_reward"])
-    assert grpo.get_reward_fn(cfg) is grpo.countdown_reward
-    assert grpo.get_reward_fn(grpo.load_config(TINY)) is grpo.debug_reward  # the task's own
+    assert grpo.get_reward_fns(cfg) == [(grpo.countdown_reward, 1.0)]
+    assert grpo.get_reward_fns(grpo.load_config(TINY)) == [(grpo.debug_reward, 1.0)]  # the task's own
+    cfg = grpo.load_config(
+        TINY + ["env.reward_fn=[grpo:debug_reward, grpo:math_reward]", "env.reward_weights=[1, 0.5]"]
+    )
+    assert grpo.get_reward_fns(cfg) == [(grpo.debug_reward, 1.0), (grpo.math_reward, 0.5)]
     with pytest.raises(grpo.ConfigError, match="env.reward_fn: cannot load 'grpo:nope'"):
-        grpo.get_reward_fn(grpo.load_config(TINY + ["env.reward_fn=grpo:nope"]))
+        grpo.get_reward_fns(grpo.load_config(TINY + ["env.reward_fn=grpo:nope"]))
     with pytest.raises(grpo.ConfigError, match="env.reward_fn must be 'module:function'"):
         grpo.load_config(TINY + ["env.reward_fn=grpo"])
+    with pytest.raises(grpo.ConfigError, match="env.reward_weights must be one number per env.reward_fn"):
+        grpo.load_config(TINY + ["env.reward_fn=grpo:debug_reward", "env.reward_weights=[1, 2]"])
 
 
 def test_missing_data_file_exits_with_one_line(tmp_path):
@@ -603,27 +752,95 @@ class FlakyEnv:
         return "again", 0.5, self.turn == 2
 
 
+def score(reward_fns, texts, answers=None, runner=None) -> tuple[list[float], list[grpo.Sample]]:
+    """grpo.score on one turn of `texts` (rows with a prompt and an answer, also as columns), without an engine."""
+    rows = []
+    for i, answer in enumerate(answers or [None] * len(texts)):
+        messages = [{"role": "user", "content": f"p{i}"}]
+        rows.append({"prompt": f"p{i}", "answer": answer, "messages": messages, "columns": {"answer": answer}})
+    samples = [grpo.Sample(r["prompt"], []) for r in rows]
+    run = types.SimpleNamespace(reward_fns=reward_fns, runner=runner or grpo.Runner(None))
+    return grpo.score(run, rows, samples, texts, [[1]] * len(texts)), samples
+
+
+def trl_letter_reward(completions, answer, prompts, completion_ids, **kwargs) -> list:
+    """debug_reward as TRL's functions are written: batched, chat messages, a data column by name; None on 'd'."""
+    assert prompts[0][-1]["role"] == "user" and len(completion_ids) == len(completions)
+    texts = [c[0]["content"] for c in completions]
+    return [None if x == "d" else text.count(x) / max(len(text), 1) for text, x in zip(texts, answer)]
+
+
+def test_reward_functions_weighted_and_trl_style(dist_world, capfd):
+    texts, answers = ["aab", "ccc", "", "dd", "abab"], ["a", "c", "b", "d", "b"]
+    per_sample, _ = score([(grpo.debug_reward, 1.0)], texts, answers)
+    assert per_sample == [2 / 3, 1.0, 0.0, 1.0, 0.5]
+    trl, samples = score([(trl_letter_reward, 1.0)], texts, answers)
+    assert trl == per_sample[:3] + [0.0] + per_sample[4:]  # the same rule; None adds nothing
+    assert [s.rewards["trl_letter_reward"] for s in samples] == [2 / 3, 1.0, 0.0, None, 0.5]
+    both, samples = score([(grpo.debug_reward, 0.5), (trl_letter_reward, 2.0)], texts, answers)
+    assert both == pytest.approx([0.5 * a + 2.0 * b for a, b in zip(per_sample, trl)])
+    assert samples[3].rewards == {"debug_reward": 1.0, "trl_letter_reward": None}
+    assert capfd.readouterr().err == ""
+
+    def wrong_length(completions, **kwargs):
+        return [1.0]
+
+    def raises(completions, **kwargs):
+        raise RuntimeError("no model")
+
+    rewards, samples = score([(wrong_length, 1.0), (raises, 1.0), (grpo.debug_reward, 1.0)], texts, answers)
+    assert rewards == per_sample  # the failing functions score 0, the others count
+    assert samples[0].rewards == {"wrong_length": 0.0, "raises": 0.0, "debug_reward": 2 / 3}
+    err = capfd.readouterr().err
+    assert "wrong_length returned list [1.0], not a list of 5 values" in err and "raises raised RuntimeError" in err
+
+
+def test_reward_functions_end_to_end(tmp_path):
+    """Two functions, weighted: each one's mean and std in metrics.jsonl, a sample's reward their weighted sum."""
+    functions = ["env.reward_fn=[grpo:debug_reward, test_grpo:trl_letter_reward]", "env.reward_weights=[0.5, 2]"]
+    result = run(["grpo.py"] + TINY + functions + ["grpo.max_num_steps=2", f"logger.log_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path)[-1]
+    names = [
+        f"train/rewards/{name}/{stat}" for name in ("debug_reward", "trl_letter_reward") for stat in ("mean", "std")
+    ]
+    assert set(names) <= set(metrics)
+    samples = [json.loads(line) for line in open(tmp_path / "train_data_step2.jsonl")]
+    parts = [s["rewards"] for s in samples]
+    assert [s["reward"] for s in samples] == pytest.approx(
+        [0.5 * p["debug_reward"] + 2 * (p["trl_letter_reward"] or 0) for p in parts]
+    )
+    applies = [p["trl_letter_reward"] for p in parts if p["trl_letter_reward"] is not None]
+    assert len(applies) < len(parts) and metrics["train/rewards/trl_letter_reward/mean"] == pytest.approx(
+        sum(applies) / len(applies)
+    )
+
+
+def hanging_trl_reward(completions, **kwargs):
+    time.sleep(60)
+
+
 @pytest.mark.parametrize("timeout", [None, 1.0])
 def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, timeout, capfd):
-    runner = grpo.EnvRunner(timeout)
-    row = {"prompt": "p", "answer": None}
     texts = ["ok", "x", "sleep" if timeout else "ok", "ok", "nan", "str"]
-    start = time.perf_counter()
-    results = runner([(grpo.RewardEnv(row, flaky_reward), t) for t in texts])
-    assert [reward for _, _, reward, _ in results] == [1.0, 0.0, 0.0 if timeout else 1.0, 1.0, 0.0, 0.0]
-    assert all(done for *_, done in results)
+    start, runner = time.perf_counter(), grpo.Runner(timeout)
+    rewards, _ = score([(flaky_reward, 1.0)], texts, runner=runner)
+    assert rewards == [1.0, 0.0, 0.0 if timeout else 1.0, 1.0, 0.0, 0.0]
     err = capfd.readouterr().err
     assert "flaky_reward raised ValueError: cannot parse x" in err and ("reward_timeout_s=1.0" in err) == bool(timeout)
     assert "flaky_reward returned nan, not a finite number" in err and "flaky_reward returned '1.0'" in err
+    if timeout:  # a batched function that hangs: the whole batch scores 0 for it
+        both, _ = score([(hanging_trl_reward, 1.0), (grpo.debug_reward, 1.0)], ["a", "b"], ["a", "a"], runner=runner)
+        assert both == [1.0, 0.0] and "hanging_trl_reward gave no result within" in capfd.readouterr().err
     # an environment: its state comes back from the worker; a failing step ends that episode only
-    envs = [FlakyEnv(row) for _ in range(3)]
-    first = runner([(env, t) for env, t in zip(envs, ["ok", "x", "sleep" if timeout else "ok"])])
+    envs = [FlakyEnv({}) for _ in range(3)]
+    first = grpo.step_envs(runner, envs, ["ok", "x", "sleep" if timeout else "ok"])
     assert [r[1:] for r in first] == [
         ("again", 0.5, False),
         (None, 0.0, True),
         (None, 0.0, True) if timeout else ("again", 0.5, False),
     ]
-    assert runner([(first[0][0], "ok")])[0][1:] == ("again", 0.5, True)  # its second turn: the state travelled
+    assert grpo.step_envs(runner, [first[0][0]], ["ok"])[0][1:] == ("again", 0.5, True)  # the state travelled
     assert "FlakyEnv.step raised KeyError: 'no x'" in capfd.readouterr().err
     runner.close()
     elapsed = time.perf_counter() - start
@@ -674,9 +891,8 @@ LENGTHS_BATCH = (
 
 def debug_rollout(engine, rows, tokenizer, cfg, seeds) -> grpo.RolloutBatch:
     """8 samples of each row's prompt, with the config's environment (the debug task's reward), as one batch."""
-    run = types.SimpleNamespace(
-        cfg=cfg, engine=engine, tokenizer=tokenizer, make_env=grpo.get_environment(cfg), runner=grpo.EnvRunner(None)
-    )
+    run = types.SimpleNamespace(cfg=cfg, engine=engine, tokenizer=tokenizer, runner=grpo.Runner(None))
+    run.make_env, run.reward_fns = grpo.get_environment(cfg), grpo.get_reward_fns(cfg)
     return grpo.make_batch(grpo.generate_samples(run, rows, seeds, 8), cfg, tokenizer.pad_token_id)
 
 
@@ -1330,6 +1546,65 @@ def test_start_up_refit_check_catches_an_engine_that_changes_weights(tmp_path, e
     assert len(warnings) == (1 if experts else 0)
 
 
+def gpu_worker():
+    """`python test_grpo.py gpu_worker TP`: on CUDA at the default precision, a small random Qwen3 through cycles of
+    wake, refit, generate, sleep (level 2) and a training step; after each refit the engine's logprobs against the
+    trainer's, and the device memory in use after each phase. Prints one JSON line on rank 0."""
+    tp, world = int(sys.argv[2]), int(os.environ.get("WORLD_SIZE", "1"))
+    tensor_parallel = f"policy.generation.vllm_cfg.tensor_parallel_size={tp}"
+    cfg = grpo.load_config(TINY + ["policy.precision=bfloat16", "policy.optimizer.lr=1e-5", tensor_parallel], world)
+    grpo.setup_distributed()
+    rank, path = torch.distributed.get_rank(), os.path.join(tempfile.gettempdir(), "grpo-gpu-qwen3")
+    if rank == 0 and not os.path.isdir(path):
+        grpo.build_tiny_debug(path + "-tiny")
+        qwen3_copy(path + "-tiny", path, experts=0)
+    torch.distributed.barrier()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = grpo.VllmEngine(path, cfg)
+    policy = grpo.load_policy(path, cfg, trainable=True)
+    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=rank), tokenizer, cfg)
+    errors, used_gib = [], {}
+
+    def measure(phase):
+        free, total = torch.cuda.mem_get_info()
+        used_gib[phase] = round((total - free) / 2**30, 2)
+
+    for step in range(1, 6):
+        engine.prepare_for_generation(policy, version=step - 1)
+        measure(f"{step} awake")
+        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, rank * 64, 64))
+        engine.finish_generation()
+        measure(f"{step} asleep")
+        batch.prev_logprobs = logprobs(policy, batch, cfg)
+        error = (batch.prev_logprobs - batch.generation_logprobs).abs()[batch.token_mask > 0]
+        errors.append(grpo.all_reduce([error.mean().item()], torch.distributed.ReduceOp.MAX)[0])
+        grpo.train_step(policy, optimizer, batch, cfg, step=step)
+        measure(f"{step} trained")
+    grpo.print0(json.dumps({"mean_abs_logprob_error_per_step": errors, "used_gib_rank0": used_gib}))
+    torch.distributed.barrier()
+    engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks,tp", [(0, 1), (2, 1), (2, 2)])
+def test_gpu_sleep_wake_refit_cycles(ranks, tp):
+    """Run first on a new GPU machine (`python -m pytest -q -s -m gpu test_grpo.py`): sleep, wake and refit keep the
+    engine on the trainer's weights cycle after cycle, at 1 GPU and at 2 (TP 1 and 2); prints memory per phase."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs CUDA and vLLM")
+    if torch.cuda.device_count() < max(ranks, 1):
+        pytest.skip(f"needs {ranks} GPUs")
+    result = run([__file__, "gpu_worker", str(tp)], ranks=ranks)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = last_json_line(result.stdout)
+    print(f"ranks={ranks or 1} tp={tp}: {r}")
+    errors = r["mean_abs_logprob_error_per_step"]
+    assert errors[0] < 0.05 and max(errors) < 1.6 * errors[0] + 1e-3  # the mismatch stays at its first value
+
+
 # ------------------------------------------------------------------------------------------------------
 # grpo.py end to end
 # ------------------------------------------------------------------------------------------------------
@@ -1338,6 +1613,8 @@ def test_start_up_refit_check_catches_an_engine_that_changes_weights(tmp_path, e
 METRIC_KEYS = {
     "step",
     "train/reward",
+    "train/rewards/debug_reward/mean",
+    "train/rewards/debug_reward/std",
     "train/loss",
     "train/grad_norm",
     "train/mean_gen_tokens",
@@ -1350,9 +1627,10 @@ METRIC_KEYS = {
 @pytest.fixture(scope="module")
 def one_rank_run(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("one_rank")
-    result = run(["grpo.py"] + TINY + ["grpo.max_num_steps=30", f"logger.log_dir={log_dir}"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return log_dir, read_metrics(log_dir), result.stdout
+    command = [sys.executable, "grpo.py"] + TINY + ["grpo.max_num_steps=30", f"logger.log_dir={log_dir}"]
+    output = subprocess.run(command, cwd=HERE, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert output.returncode == 0, output.stdout.decode()[-3000:]
+    return log_dir, read_metrics(log_dir), output.stdout.decode()  # stdout and stderr, in order
 
 
 def test_vllm_end_to_end_learns(one_rank_run):
@@ -1366,6 +1644,9 @@ def test_vllm_end_to_end_learns(one_rank_run):
     val_samples = [json.loads(line) for line in open(os.path.join(log_dir, "val_data_step30.jsonl"))]
     assert len(val_samples) == 64 and {"prompt", "turns", "reward"} <= set(val_samples[0])
     assert "step 30/30 | reward" in stdout
+    start = stdout[: stdout.index("step 1/30 |")].splitlines()
+    print("before step 1:", start)
+    assert len(start) <= 3  # a quiet start: no library notes, the start-up refit check silent
     # checkpoints 10, 20, 30 (keep_top_k=3); the last one holds the Hugging Face export
     assert sorted(os.listdir(log_dir / "checkpoints")) == ["step_10", "step_20", "step_30"]
     assert {"training_info.json", "config.yaml", "policy", "hf"} <= set(os.listdir(log_dir / "checkpoints" / "step_30"))

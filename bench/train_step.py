@@ -1,7 +1,7 @@
 """Times grpo.train_step alone on one rollout-sized batch of the side-by-side work (4 prompts x 8 completions,
-SmolLM2's 48-token chat prompt, completion lengths drawn from 2..64, fp32, one rank), for each micro-batching.
+SmolLM2's 48-token chat prompt, completion lengths drawn from 2..64, one rank), for each micro-batching.
 
-    python bench/train_step.py /tmp/grpo-bench/SmolLM2 [repeats]
+    python bench/train_step.py /tmp/grpo-bench/SmolLM2 [repeats] [precision]
 """
 import os, sys
 
@@ -14,9 +14,11 @@ from transformers import AutoTokenizer
 import grpo
 
 model_dir, repeats = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2
+precision = sys.argv[3] if len(sys.argv) > 3 else "bfloat16"
 MICRO_BATCHINGS = {
     "padded, 8 samples a micro-batch": ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=8"],
-    **{f"packed {n} tokens": [f"policy.sequence_packing.train_mb_tokens={n}"] for n in (256, 512, 1024)}}
+    **{f"packed {n} tokens": [f"policy.sequence_packing.train_mb_tokens={n}"] for n in (256, 512, 1024, 2048, 5120)},
+    "packed, the default budget": []}
 grpo.setup_distributed()
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 generator, samples = torch.Generator().manual_seed(0), []
@@ -27,7 +29,7 @@ for q in range(4):
         n = int(torch.randint(2, 65, (1,), generator=generator))
         completion = torch.randint(100, 40000, (n,), generator=generator).tolist()
         samples.append(grpo.Sample("", list(prompt), completion, [-1.0] * n, [1] * n, reward=float(k % 2)))
-common = [f"policy.model_name={model_dir}", "policy.precision=float32", "grpo.num_prompts_per_step=4",
+common = [f"policy.model_name={model_dir}", f"policy.precision={precision}", "grpo.num_prompts_per_step=4",
           "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
           "policy.train_micro_batch_size=32", "policy.logprob_batch_size=32", "policy.max_total_sequence_length=160",
           "policy.generation.max_new_tokens=64", "loss_fn.reference_policy_kl_penalty=0"]
