@@ -115,13 +115,13 @@ def generate_share(run: Run, rows: list[dict], n: int, seed: int, step: int, off
 def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """This rank's share of the step's samples, scored, with advantages (DAPO's dynamic sampling refills groups)."""
     g = run.cfg.grpo
-    n, kept, generated = g.num_generations_per_prompt, [], []
+    n, kept, reward_sum = g.num_generations_per_prompt, [], 0.0
     per_round = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)  # prompts, all ranks
     for round_ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
         indices = prompt_indices(run.info["consumed_samples"], per_round, len(run.train_rows), run.cfg)
         run.info["consumed_samples"] += per_round
         samples = generate_share(run, [run.train_rows[i] for i in indices], n, g.seed, step, round_ * per_round)
-        generated += samples
+        reward_sum += sum(s.reward for s in samples)
         groups = [samples[i : i + n] for i in range(0, len(samples), n)]
         if not g.use_dynamic_sampling:
             break
@@ -136,17 +136,13 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
             "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
         )
     samples = [s for group in groups for s in group]
-    parts = gather_all([(s.reward, s.rewards) for s in generated])  # every sample generated, all ranks
-    metrics = {"train/reward": float(np.mean([reward for reward, _ in parts]))}
-    for name in parts[0][1]:  # each reward function's mean and std over the samples it applies to (TRL's names)
-        values = [rewards[name] for _, rewards in parts if rewards[name] is not None]
-        metrics[f"train/rewards/{name}/mean"] = float(np.mean(values)) if values else math.nan
-        metrics[f"train/rewards/{name}/std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    generated = (round_ + 1) * per_round * n
+    reward_sum, kept_sum = all_reduce([reward_sum, sum(s.reward for s in samples)])
+    metrics = {"train/reward": reward_sum / generated}  # every sample generated
     if g.use_dynamic_sampling:
-        (kept_sum,) = all_reduce([sum(s.reward for s in samples)])
         metrics["train/filtered_reward"] = kept_sum / (g.num_prompts_per_step * n)
         metrics["train/dynamic_sampling_num_gen_batches"] = round_ + 1
-        metrics["train/dynamic_sampling_num_discarded_samples"] = len(parts) - g.num_prompts_per_step * n
+        metrics["train/dynamic_sampling_num_discarded_samples"] = generated - g.num_prompts_per_step * n
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
 
 
@@ -407,7 +403,8 @@ def micro_batches(lengths: list[int], shared: list[int], max_samples: int, budge
         if groups[-1] and tokens > budget:
             groups, tokens = groups + [[]], lengths[i]
         groups[-1].append(i)
-    while len(groups) < all_reduce([len(groups)], dist.ReduceOp.MAX)[0]:
+    most = all_reduce([len(groups)], dist.ReduceOp.MAX)[0]  # once: a rank with fewer splits its largest ones
+    while len(groups) < most:
         largest = groups.pop(max(range(len(groups)), key=lambda g: len(groups[g])))
         groups += [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
     return groups
@@ -1079,15 +1076,13 @@ def get_reward_fns(cfg: Config) -> list[tuple[Callable, float]]:
 def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], completion_ids: list) -> list[float]:
     """One turn's rewards: each function's values go to sample.rewards, their weighted sums are returned. A function
     whose signature takes `completions` is called as TRL calls it, once, with keyword lists: prompts and completions
-    as chat messages, completion_ids, and every other column of the data rows; others once per sample, (prompt,
+    as chat messages, completion_ids, and every column of the data rows; others once per sample, (prompt,
     completion, answer). None: the function does not apply (adds nothing); a failure scores 0, with a warning."""
     totals, errors = [0.0] * len(rows), []
     for fn, weight in run.reward_fns:
         name = getattr(fn, "__name__", type(fn).__name__)
         if "completions" in inspect.signature(fn).parameters:
-            columns = {
-                k: [r["columns"][k] for r in rows] for k in rows[0]["columns"] if k not in ("prompt", "completion")
-            }
+            columns = {k: [r["columns"][k] for r in rows] for k in rows[0]["columns"]}  # the data rows' fields
             messages = [[{"role": "assistant", "content": text}] for text in texts]
             kwargs = dict(columns, prompts=[r["messages"] for r in rows], completions=messages)
             ((values, why),) = run.runner([(fn, (), dict(kwargs, completion_ids=completion_ids))])
@@ -1242,15 +1237,11 @@ def load_rows(name: str, split: str, cfg: Config, n_builtin: int, seed: int) -> 
             with open(name) as f:
                 records = [json_row(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
         else:
-            try:
-                import datasets  # optional extra, only for dataset names
-            except ImportError:
-                raise ConfigError(
-                    f"data: '{name}' is not a built-in task or .jsonl file; a hub dataset needs `datasets`"
-                )
-            try:
+            try:  # `datasets` is an optional extra; no network, a typo in the name, a missing split
+                import datasets
+
                 records = datasets.load_dataset(name, cfg.dataset_config, split=split)
-            except Exception as e:  # no network, a typo in the name, a missing split
+            except Exception as e:
                 key = "data.dataset_name" if name == cfg.dataset_name else "data.val_dataset_name"
                 raise ConfigError(f"{key}: cannot load '{name}' ({type(e).__name__}: {first_line(e)})")
         if len(records) == 0:
@@ -1731,8 +1722,9 @@ def from_nemo_rl(recipe: dict, path: str, defaults: dict) -> dict:
     """A NeMo-RL config -> the values grpo.py takes from it, in grpo.py's keys."""
     if "defaults" in recipe:  # NeMo-RL's inheritance: a parent file, relative to this one
         recipe = deep_merge(read_yaml(os.path.join(os.path.dirname(path), recipe.pop("defaults"))), recipe)
-    policy = recipe.get("policy", {})
-    policy["scheduler"] = {str(i): s for i, s in enumerate(policy.get("scheduler", []))}  # flattened by index
+    policy = recipe.get("policy") or {}
+    if isinstance(policy.get("scheduler"), list):  # a list of schedulers: flattened by index
+        policy["scheduler"] = {str(i): s for i, s in enumerate(policy["scheduler"])}
     flat, known, values, unused = flatten(recipe), flatten(defaults), {}, []
     for key, value in flat.items():
         target = next((new + key[len(old) :] for old, new in NEMO_RL_KEYS.items() if key.startswith(old)), key)
@@ -2094,6 +2086,10 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
     metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])
     metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
+    for name in samples[0]["rewards"]:  # each reward function's mean and std where it applies (TRL's names)
+        values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
+        metrics[f"train/rewards/{name}/mean"] = np.mean(values) if values else math.nan
+        metrics[f"train/rewards/{name}/std"] = np.std(values, ddof=1) if len(values) > 1 else 0.0
     run.logger.log(step, metrics)
     run.logger.write_samples(f"train_data_step{step}.jsonl", samples)
     print_step(step, g.max_num_steps, metrics)
