@@ -641,8 +641,9 @@ def test_a_nemo_rl_config_runs_as_it_is(tmp_path):
 
 def test_a_model_or_dataset_that_cannot_load_exits_with_one_line(tmp_path):
     env = {**clean_env(), "HF_HUB_OFFLINE": "1"}
-    for key, value in [("policy.model_name", "nobody/no-such-model"), ("policy.model_name", f"{tmp_path}/nope")]:
-        command = [sys.executable, "grpo.py", f"{key}={value}", f"logger.log_dir={tmp_path}"]
+    cases = [("policy.model_name", "nobody/no-such-model"), ("policy.model_name", f"{tmp_path}/nope")]
+    for key, value in cases + [("data.dataset_name", "nobody/no-such-dataset")]:
+        command = [sys.executable, "grpo.py"] + TINY + [f"{key}={value}", f"logger.log_dir={tmp_path}"]
         result = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 2
         assert result.stderr.strip().startswith(f"config error: {key}: cannot load '{value}'"), result.stderr
