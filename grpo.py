@@ -1779,23 +1779,24 @@ def nested(key: str, value) -> dict:
 
 def load_config(argv: list[str], world_size: int = 1) -> Config:
     """config.yaml <- --config PATH (a partial file) <- tiny-debug preset <- command line, checked."""
-    recipe, defaults = {}, read_yaml(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"))
+    recipe, command_line = {}, {}
+    defaults = read_yaml(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"))
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 == len(argv):
             raise ConfigError("command line: --config needs a path")
         path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
         recipe = read_yaml(path)
-        if any(key.startswith(NEMO_RL_ONLY) for key in flatten(recipe)):
-            recipe = from_nemo_rl(recipe, path, defaults)
-    # The preset goes over the defaults, under a --config file (which may change the preset too) and the command line.
-    preset = deep_merge(defaults.pop("tiny_debug_preset"), recipe.pop("tiny_debug_preset", {}))
-    values = recipe
     for arg in argv:  # section.key=value
         key, sep, raw = arg.partition("=")
         if not sep or not key:
             raise ConfigError(f"command line: '{arg}' is not of the form section.key=value")
-        values = deep_merge(values, nested(key, CommandLineValue(raw)))
+        command_line = deep_merge(command_line, nested(key, CommandLineValue(raw)))
+    if any(key.startswith(NEMO_RL_ONLY) for key in flatten(recipe)):  # its ${...} see the command line, as in NeMo-RL
+        recipe = from_nemo_rl(deep_merge(recipe, command_line), path, defaults)
+    # The preset goes over the defaults, under a --config file (which may change the preset too) and the command line.
+    preset = deep_merge(defaults.pop("tiny_debug_preset"), recipe.pop("tiny_debug_preset", {}))
+    values = deep_merge(recipe, command_line)
     if flatten(values).get("policy.model_name") == "tiny-debug":
         values = deep_merge(preset, values)
     cfg = build_config(defaults, values)

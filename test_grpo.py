@@ -604,6 +604,10 @@ def test_a_nemo_rl_config_runs_as_it_is(tmp_path):
     }
     taken = grpo.flatten(grpo.load_config(["--config", str(path)]))
     assert {key: taken[key] for key in expected} == expected
+    # As NeMo-RL does, the command line goes in before the interpolations are resolved.
+    taken = grpo.flatten(grpo.load_config(["--config", str(path), "policy.max_total_sequence_length=128"]))
+    lengths = ["policy.generation.max_new_tokens", "policy.generation.vllm_cfg.max_model_len"]
+    assert [taken[key] for key in lengths + ["policy.sequence_packing.train_mb_tokens"]] == [128, 128, 1024]
     log = tmp_path / "logs"
     result = run(["grpo.py", "--config", str(path), f"logger.log_dir={log}", "checkpointing.enabled=false"])
     assert result.returncode == 0, result.stderr[-3000:]
