@@ -166,10 +166,10 @@ def generate_samples(run: Run, rows: list[dict], seeds: list[int], n: int, greed
             stop=[getattr(envs[i], "stop", None) for i in going],
             max_tokens=[min(cfg.policy.generation.max_new_tokens, max_len - samples[i].length()) for i in going],
         )
-        texts = tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
+        completion_ids = [ids for ids, _, _ in results]
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         if run.make_env is None:  # one turn, scored by the reward functions
-            ids = [ids for ids, _, _ in results]
-            rewards = score(run, [rows[i] for i in going], [samples[i] for i in going], texts, ids)
+            rewards = score(run, [rows[i] for i in going], [samples[i] for i in going], texts, completion_ids)
             stepped = [(None, None, reward, True) for reward in rewards]
         else:
             stepped = step_envs(run.runner, [envs[i] for i in going], texts)
