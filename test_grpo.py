@@ -687,14 +687,14 @@ def test_lora_on_a_tied_head_exits_with_one_line(tmp_path):
 
 def test_reward_fn_from_config():
     cfg = grpo.load_config(TINY + ["env.reward_fn=grpo:countdown_reward"])
-    assert grpo.get_reward_fns(cfg) == [(grpo.countdown_reward, 1.0)]
-    assert grpo.get_reward_fns(grpo.load_config(TINY)) == [(grpo.debug_reward, 1.0)]  # the task's own
+    assert grpo.get_scoring(cfg)[1] == [(grpo.countdown_reward, 1.0)]
+    assert grpo.get_scoring(grpo.load_config(TINY))[1] == [(grpo.debug_reward, 1.0)]  # the task's own
     cfg = grpo.load_config(
         TINY + ["env.reward_fn=[grpo:debug_reward, grpo:math_reward]", "env.reward_weights=[1, 0.5]"]
     )
-    assert grpo.get_reward_fns(cfg) == [(grpo.debug_reward, 1.0), (grpo.math_reward, 0.5)]
+    assert grpo.get_scoring(cfg)[1] == [(grpo.debug_reward, 1.0), (grpo.math_reward, 0.5)]
     with pytest.raises(grpo.ConfigError, match="env.reward_fn: cannot load 'grpo:nope'"):
-        grpo.get_reward_fns(grpo.load_config(TINY + ["env.reward_fn=grpo:nope"]))
+        grpo.get_scoring(grpo.load_config(TINY + ["env.reward_fn=grpo:nope"]))
     with pytest.raises(grpo.ConfigError, match="env.reward_fn must be 'module:function'"):
         grpo.load_config(TINY + ["env.reward_fn=grpo"])
     with pytest.raises(grpo.ConfigError, match="env.reward_weights must be one number per env.reward_fn"):
@@ -899,7 +899,7 @@ LENGTHS_BATCH = (
 def debug_rollout(engine, rows, tokenizer, cfg, seeds) -> grpo.RolloutBatch:
     """8 samples of each row's prompt, with the config's environment (the debug task's reward), as one batch."""
     run = types.SimpleNamespace(cfg=cfg, engine=engine, tokenizer=tokenizer, runner=grpo.Runner(None))
-    run.make_env, run.reward_fns = grpo.get_environment(cfg), grpo.get_reward_fns(cfg)
+    run.make_env, run.reward_fns = grpo.get_scoring(cfg)
     return grpo.make_batch(grpo.generate_samples(run, rows, seeds, 8), cfg, tokenizer.pad_token_id)
 
 
