@@ -1543,10 +1543,9 @@ def check_knob(key: str, value, default):
         type_name, _, condition = condition.partition(" ")
         kind = {"int": int, "float": float, "str": str, "list": list}[type_name]
     if isinstance(value, CommandLineValue):
-        try:
+        parsed = str(value)  # if it is not YAML at all: fine for a str knob, refused as the wrong type for others
+        with contextlib.suppress(yaml.YAMLError):
             parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            parsed = str(value)  # not YAML at all: fine for a str knob, refused as the wrong type for others
         value = str(value) if kind is str and not isinstance(parsed, (str, type(None))) else parsed
     if value is None and nullable:
         return None
