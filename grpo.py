@@ -90,11 +90,6 @@ def seed_of(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
 
 
-def sample_seeds(seed: int, step: int, start: int, n: int) -> list[int]:
-    """Seeds of a step's samples start .. start+n-1, numbered over all ranks: the same samples at any world size."""
-    return [seed_of(seed, step, start + i) for i in range(n)]
-
-
 def share(n: int) -> slice:
     """This rank's contiguous share of n items (n divisible by the world size)."""
     per_rank = n // dist.get_world_size()
@@ -102,9 +97,10 @@ def share(n: int) -> slice:
 
 
 def generate_share(run: Run, rows: list[dict], n: int, seed: int, step: int, offset=0, greedy=False) -> list[Sample]:
-    """This rank's share of all ranks' rows, n samples each, seeded by their position (after `offset` rows)."""
+    """This rank's share of all ranks' rows, n samples each, seeded by their position over all ranks (after `offset`
+    rows): the same samples at any world size."""
     mine = share(len(rows))
-    seeds = sample_seeds(seed, step, (offset + mine.start) * n, (mine.stop - mine.start) * n)
+    seeds = [seed_of(seed, step, i) for i in range((offset + mine.start) * n, (offset + mine.stop) * n)]
     return generate_samples(run, rows[mine], seeds, n, greedy)
 
 
@@ -1055,7 +1051,8 @@ def not_finite(value) -> Optional[str]:
 def warn_failures(errors: list[str], n: int) -> None:
     if errors:
         why = "; ".join(sorted(set(errors))[:5])
-        warn(f"reward or environment failed on {len(errors)} of {n} samples, scored 0 ({why})")
+        message = f"reward or environment failed on {len(errors)} of {n} samples, scored 0 ({why})"
+        print(f"warning (rank {dist.get_rank()}): {message}", file=sys.stderr, flush=True)
 
 
 class LettersEnv:
@@ -1812,10 +1809,6 @@ def request_stop(signum, frame) -> None:
 def print0(*args, **kwargs):
     if dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
-
-
-def warn(message: str) -> None:
-    print(f"warning (rank {dist.get_rank()}): {message}", file=sys.stderr, flush=True)
 
 
 def first_line(e: Exception) -> str:

@@ -896,6 +896,11 @@ LENGTHS_BATCH = (
 )
 
 
+def sample_seeds(seed: int, step: int, start: int, n: int) -> list[int]:
+    """grpo.py's seeds of a step's samples start .. start+n-1, as generate_share draws them."""
+    return [grpo.seed_of(seed, step, start + i) for i in range(n)]
+
+
 def debug_rollout(engine, rows, tokenizer, cfg, seeds) -> grpo.RolloutBatch:
     """8 samples of each row's prompt, with the config's environment (the debug task's reward), as one batch."""
     run = types.SimpleNamespace(cfg=cfg, engine=engine, tokenizer=tokenizer, runner=grpo.Runner(None))
@@ -1212,7 +1217,7 @@ def refit_worker():
     engine.llm.generate = spy
 
     def max_diff(step):
-        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, rank * 64, 64))
+        batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, step, rank * 64, 64))
         lp = logprobs(policy, batch, cfg)
         diff = ((lp - batch.generation_logprobs).abs() * batch.token_mask).max().item()
         return torch.tensor(diff), batch, lp
@@ -1354,7 +1359,7 @@ def precision_worker():
 
     start, master_start, errors = engine_weight(), master_weight(), []
     for step in range(1, 9):
-        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, 0, 128))
+        batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, step, 0, 128))
         batch.prev_logprobs = logprobs(policy, batch, cfg)  # the trainer's own, with the copy the engine holds
         errors.append((batch.prev_logprobs - batch.generation_logprobs).abs()[batch.token_mask > 0].mean().item())
         grpo.train_step(policy, optimizer, batch, cfg, step=step)
@@ -1365,7 +1370,7 @@ def precision_worker():
     def follows(copy):  # projection of the copy's movement on the masters' movement
         return ((copy - start) * moved).sum().item() / (moved * moved).sum().item()
 
-    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 99, 0, 128))
+    batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 99, 0, 128))
     error = (logprobs(policy, batch, cfg) - batch.generation_logprobs).abs()[batch.token_mask > 0]
     print(
         json.dumps(
@@ -1422,7 +1427,7 @@ def multiturn_worker():
     policy = grpo.load_policy(path, cfg, trainable=True)
     optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
-    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 1, 0, 64))
+    batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 1, 0, 64))
     batch.prev_logprobs = logprobs(policy, batch, cfg)
     grpo.train_step(policy, optimizer, batch, cfg, step=1)
     engine.prepare_for_generation(policy, version=1)
@@ -1435,7 +1440,7 @@ def multiturn_worker():
         return outputs
 
     engine.generate = spy
-    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 2, 0, 64))
+    batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 2, 0, 64))
     n_calls = len(calls)
     logprob_error = ((logprobs(policy, batch, cfg) - batch.generation_logprobs).abs() * batch.token_mask).max().item()
     as_generated = observations_ok = mask_ok = True
@@ -1462,7 +1467,7 @@ def multiturn_worker():
                 observations_ok &= tokenizer.decode(full[start:end]) == expected
     turns = [sum(t["role"] == "assistant" for t in s.turns) for s in batch.samples]
     cfg_long = grpo.load_config(MULTITURN + ["env.environment=test_grpo:LongObservationEnv"])
-    long = debug_rollout(engine, rows, tokenizer, cfg_long, grpo.sample_seeds(0, 3, 0, 64))
+    long = debug_rollout(engine, rows, tokenizer, cfg_long, sample_seeds(0, 3, 0, 64))
     cut = all(
         len(s.prompt_ids) + len(s.completion_ids) == 256
         and s.end == "truncated"
@@ -1471,7 +1476,7 @@ def multiturn_worker():
         for s in long.samples
     )
     cfg_stop = grpo.load_config(MULTITURN + ["env.environment=test_grpo:StopAtAEnv"])
-    stopped = debug_rollout(engine, rows, tokenizer, cfg_stop, grpo.sample_seeds(0, 4, 0, 64))
+    stopped = debug_rollout(engine, rows, tokenizer, cfg_stop, sample_seeds(0, 4, 0, 64))
     texts = [t["text"] for s in stopped.samples for t in s.turns if t["role"] == "assistant"]
     stops_ok = all(t.find("a") in (-1, len(t) - 1) for t in texts) and sum(t.endswith("a") for t in texts) >= 10
     print(
@@ -1576,7 +1581,7 @@ def gpu_worker():
     for step in range(1, 6):
         engine.prepare_for_generation(policy, version=step - 1)
         measure(f"{step} awake")
-        batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, step, rank * 64, 64))
+        batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, step, rank * 64, 64))
         engine.finish_generation()
         measure(f"{step} asleep")
         batch.prev_logprobs = logprobs(policy, batch, cfg)
@@ -1817,7 +1822,7 @@ def export_vllm_worker():
     engine = grpo.VllmEngine(path, cfg)
     policy = grpo.load_policy(path, cfg, trainable=False)
     rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
-    batch = debug_rollout(engine, rows, tokenizer, cfg, grpo.sample_seeds(0, 1, 0, 64))
+    batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 1, 0, 64))
     lp = logprobs(policy, batch, cfg)
     print(
         json.dumps(
