@@ -1853,7 +1853,7 @@ class Run:
     policy: Any = None  # FSDP2 model
     reference: Any = None  # frozen initial policy for the KL term; None without one
     optimizer: Optional[torch.optim.AdamW] = None
-    info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None})  # its json
+    info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None})  # training_info
     nonfinite_steps: int = 0  # steps in a row whose updates were all skipped as non-finite
 
 
@@ -1906,7 +1906,7 @@ def setup(cfg: Config) -> Run:
         except Exception as e:
             raise ConfigError(f"policy.model_name: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
         if cfg.policy.lora.enabled and "lm_head" in cfg.policy.lora.target_modules and tied:
-            raise ConfigError("policy.lora.target_modules: this model's lm_head is tied (to the embedding)")
+            raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
         train_rows, val_rows = load_datasets(cfg)
         make_env, reward_fns = get_scoring(cfg)
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)

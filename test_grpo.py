@@ -358,6 +358,7 @@ def test_math_reward():
     assert grpo.math_reward("", "so \\boxed{72}", "Natalia sold ... #### 72") == 1.0
     assert grpo.math_reward("", "\\boxed{1} then \\boxed{\\frac{3}{4}}", "0.75") == 1.0
     assert grpo.math_reward("", "\\boxed{1,000}", "1000") == 1.0
+    assert grpo.math_reward("", "\\boxed{-\\frac{3}{4}}", "-0.75") == grpo.math_reward("", "\\boxed{-23}", "-23") == 1.0
     assert grpo.math_reward("", "\\boxed{71}", "#### 72") == 0.0
     assert grpo.math_reward("", "the answer is 72", "72") == 0.0  # no box, no reward
     assert grpo.extract_boxed("\\boxed{a{b}c} and \\boxed{x") is None  # last one is unbalanced
