@@ -1211,14 +1211,12 @@ def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
 def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
     """Chat template -> token ids; prompts that leave no room for max_new_tokens are dropped and counted."""
     max_len, max_new_tokens = cfg.policy.max_total_sequence_length, cfg.policy.generation.max_new_tokens
+    # With max_new_tokens at the sequence length (NeMo-RL's configs) the engine stops there: a prompt needs one token.
     budget = max_len - max_new_tokens if max_new_tokens < max_len else max_len - 1
     system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-    kept = []
-    for r in rows:
-        chat = system + [{"role": "user", "content": r["prompt"]}]
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if len(ids) <= budget:
-            kept.append({**r, "prompt_ids": list(ids), "messages": chat})
+    chats = [system + [{"role": "user", "content": r["prompt"]}] for r in rows]
+    ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
+    kept = [{**r, "prompt_ids": list(i), "messages": c} for r, i, c in zip(rows, ids, chats) if len(i) <= budget]
     return kept, len(rows) - len(kept)
 
 
