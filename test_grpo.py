@@ -853,7 +853,7 @@ def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, time
     runner.close()
     elapsed = time.perf_counter() - start
     print(f"timeout={timeout}: scored in {elapsed:.2f} s")
-    assert elapsed < 10
+    assert elapsed < 30  # each hang sleeps 60 s; three worker pools start (about 3 s each) after the timeouts
 
 
 def test_keep_top_k_and_latest(tmp_path):
