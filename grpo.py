@@ -97,8 +97,7 @@ def share(n: int) -> slice:
 
 
 def generate_share(run: Run, rows: list[dict], n: int, seed: int, step: int, offset=0, greedy=False) -> list[Sample]:
-    """This rank's share of all ranks' rows, n samples each, seeded by their position over all ranks (after `offset`
-    rows): the same samples at any world size."""
+    """This rank's share of the rows, n samples each, seeded by place over all ranks: the same at any world size."""
     mine = share(len(rows))
     seeds = [seed_of(seed, step, i) for i in range((offset + mine.start) * n, (offset + mine.stop) * n)]
     return generate_samples(run, rows[mine], seeds, n, greedy)
@@ -613,9 +612,8 @@ class VllmEngine:
         # A seeded generation twice (the engine's own noise), then after a refit with the weights it holds.
         n = len(prompt_ids)
         generate = functools.partial(self.generate, prompt_ids, list(range(n)), False, [None] * n, [16] * n)
-        runs = [generate(), generate()]
+        first, second = generate(), generate()
         self.refit(weight_buckets(model, self.cfg.policy))
-        runs.append(generate())
 
         def max_diff(a, b) -> float:  # over each pair's tokens up to the first that differs
             diffs = [0.0]
@@ -624,7 +622,7 @@ class VllmEngine:
                 diffs += (lp_a[:same] - lp_b[:same]).abs().tolist()
             return max(diffs)
 
-        noise, changed = all_reduce([max_diff(runs[0], runs[1]), max_diff(runs[0], runs[2])], dist.ReduceOp.MAX)
+        noise, changed = all_reduce([max_diff(first, second), max_diff(first, generate())], dist.ReduceOp.MAX)
         if changed > max(4 * noise, 1e-3):
             print0(
                 f"warning: vLLM changes {type(model).__name__.removeprefix('FSDP')}'s weights as it reloads them: "
@@ -1363,8 +1361,7 @@ def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
     """Model and optimizer (bf16: its fp32 masters too), resharded by DCP to this run's ranks; training_info.json."""
     for p in [p for group in optimizer.param_groups for p in group["params"]]:
         p.grad = torch.zeros_like(p)  # DCP fills the optimizer state that exists: an update at lr 0 makes it
-    bf16 = cfg.policy.precision == "bfloat16"
-    optimizer_step(optimizer, 0.0, torch.Generator(device()) if bf16 else None)
+    optimizer_step(optimizer, 0.0, torch.Generator(device()) if cfg.policy.precision == "bfloat16" else None)
     optimizer.zero_grad(set_to_none=True)
     state = trained_state(policy, optimizer)
     try:
@@ -1414,17 +1411,12 @@ class Logger:
         if self.tb:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
+            self.tb.flush()  # wandb finishes at exit by itself
 
     def write_samples(self, filename: str, records: list[dict], mode: str = "w") -> None:
         if self.enabled:
             with open(os.path.join(self.dir, filename), mode) as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
-
-    def close(self) -> None:
-        if self.wandb:
-            self.wandb.finish()
-        if self.tb:
-            self.tb.close()
 
 
 def record(s: Sample, **extra) -> dict:
@@ -1776,8 +1768,7 @@ def stop_all_ranks_on_failure():
             exit_if_another_failed()
 
     watcher = threading.Thread(target=watch, daemon=True)
-    if dist.get_world_size() > 1:
-        watcher.start()
+    watcher.start()
     try:
         yield
     except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
@@ -1790,8 +1781,7 @@ def stop_all_ranks_on_failure():
         os._exit(1)
     finally:  # the watcher is joined before a normal exit, else the store's client aborts at exit
         done.set()
-        if watcher.is_alive():
-            watcher.join()
+        watcher.join()
 
 
 STOP = threading.Event()  # set by SIGTERM/SIGINT once the loop runs
@@ -1887,8 +1877,6 @@ def train(cfg: Config) -> None:
                 print0(f"saved {path}")
         if end_of_step(run, step, batch, {**train_metrics, **rollout_metrics, **val}, times, stop_requested):
             break
-    run.logger.close()
-    run.runner.close()
     dist.barrier()
     run.engine.close()  # last: vLLM's shutdown destroys the default process group
     if dist.is_initialized():
@@ -1984,10 +1972,8 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
     metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
     metrics["train/max_turns_per_sample"] = max(turns)
-    ends = [s["end"] for s in samples]
-    metrics["train/natural_termination_rate"] = np.mean([e == "done" for e in ends])
-    metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
-    metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])
+    for end, name in [("done", "natural_termination"), ("truncated", "truncation"), ("max_turns", "max_turns_reached")]:
+        metrics[f"train/{name}_rate"] = np.mean([s["end"] == end for s in samples])
     metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
     for name in samples[0]["rewards"]:  # each reward function's mean and std where it applies (TRL's names)
         values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
