@@ -1972,8 +1972,10 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
     metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
     metrics["train/max_turns_per_sample"] = max(turns)
-    for end, name in [("done", "natural_termination"), ("truncated", "truncation"), ("max_turns", "max_turns_reached")]:
-        metrics[f"train/{name}_rate"] = np.mean([s["end"] == end for s in samples])
+    ends = [s["end"] for s in samples]
+    metrics["train/natural_termination_rate"] = np.mean([e == "done" for e in ends])
+    metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
+    metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])
     metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
     for name in samples[0]["rewards"]:  # each reward function's mean and std where it applies (TRL's names)
         values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
