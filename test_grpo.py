@@ -361,6 +361,9 @@ def test_math_reward():
     assert grpo.math_reward("", "\\boxed{-\\frac{3}{4}}", "-0.75") == grpo.math_reward("", "\\boxed{-23}", "-23") == 1.0
     assert grpo.math_reward("", "\\boxed{71}", "#### 72") == 0.0
     assert grpo.math_reward("", "the answer is 72", "72") == 0.0  # no box, no reward
+    if importlib.util.find_spec("math_verify") is None:  # the built-in parser: a number, not an expression for it
+        assert grpo.math_reward("", "\\boxed{23*45}", "1035") == 0.0  # the model must compute it
+        assert grpo.math_reward("", "\\boxed{1e999999999}", "1") == 0.0  # fast: no exponent to expand
     assert grpo.extract_boxed("\\boxed{a{b}c} and \\boxed{x") is None  # last one is unbalanced
     assert grpo.extract_boxed("\\boxed{a{b}c}") == "a{b}c"
 
