@@ -22,8 +22,9 @@ Knobs: config.yaml. Overrides are `section.key=value` (YAML values); `--config m
 
 from __future__ import annotations
 
-import ast, contextlib, difflib, functools, gc, importlib, inspect, itertools, json, logging, math, multiprocessing
-import numbers, operator, os, pathlib, re, shutil, signal, socket, sys, tempfile, threading, time, traceback, warnings
+import ast, asyncio, contextlib, difflib, functools, gc, importlib, inspect, itertools, json, logging, math
+import multiprocessing, numbers, operator, os, pathlib, re, shutil, signal, socket, sys, tempfile, threading, time
+import traceback, warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -60,6 +61,8 @@ class Sample:
     reward: float = 0.0  # the sum of the turns' rewards (one turn: the reward functions' weighted sum)
     rewards: dict = field(default_factory=dict)  # each reward function's own value (None: it does not apply)
     end: Optional[str] = None  # "done" (said the environment), "truncated" (out of tokens) or "max_turns"
+    metrics: dict = field(default_factory=dict)  # TRL-style functions' log_metric: {name: value} of their calls
+    extra: dict = field(default_factory=dict)  # and their log_extra: {column: this sample's value}
 
     def extend(self, ids: list[int], logprobs: list[float], trained: int) -> None:
         self.completion_ids += ids
@@ -203,7 +206,10 @@ def make_batch(samples: list[Sample], cfg: Config, pad_id: int) -> RolloutBatch:
         expected = (g.reward_shaping.max_response_length or cfg.policy.generation.max_new_tokens) - buffer
         rewards += (-(lengths - expected) / buffer * g.reward_shaping.overlong_buffer_penalty).clamp(max=0)
     n, truncated = g.num_generations_per_prompt, torch.tensor([s.end == "truncated" for s in samples])
-    advantages = compute_advantages(rewards, n, g.use_leave_one_out_baseline, g.normalize_rewards)
+    scored = torch.tensor([not s.rewards or any(v is not None for v in s.rewards.values()) for s in samples])
+    advantages = compute_advantages(
+        rewards.where(scored, math.nan), n, g.use_leave_one_out_baseline, g.normalize_rewards
+    )
     tensors = (*pack_batch(samples, pad_id), rewards, advantages, truncated)
     return RolloutBatch(*(t.to(device()) for t in tensors), samples)
 
@@ -223,24 +229,19 @@ def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.
 
 def compute_advantages(rewards: torch.Tensor, n: int, leave_one_out: bool, normalize: bool) -> torch.Tensor:
     """NeMo-RL's advantages, groups of n: reward - baseline (the mean of the group's other rewards, leave-one-out,
-    or of all), divided by the unbiased std of those rewards where it is > 0 (normalize); a group of one gets 0."""
-    if n == 1:
-        return torch.zeros_like(rewards)
+    or of all), divided by the unbiased std of those rewards where it is > 0 (normalize). A NaN reward (nothing
+    scored the sample: TRL's None) counts in no baseline and gets 0, as does a group of one."""
     r = rewards.view(-1, n).double()  # [prompts, n]
-    if leave_one_out:  # each sample's others: [prompts, n, n - 1]
-        others = r[:, None, :].expand(-1, n, n)[:, ~torch.eye(n, dtype=torch.bool)].view(-1, n, n - 1)
-    else:
-        others = r[:, None, :]  # [prompts, 1, n]
-    # From deviations, shifted by one of the values: equal rewards give a std of exactly 0 (sums of squares leave a
-    # rounding residue for fractions such as 0.1, and dividing by it gives advantages of 1e8).
-    shifted = others - others[..., :1]
-    mean = shifted.mean(-1)  # [prompts, n or 1]
-    m = others.shape[-1]
-    std = ((shifted - mean[..., None]).square().sum(-1) / max(m - 1, 1)).sqrt() * (m > 1)
-    advantages = r - (others[..., 0] + mean)
-    if normalize:
-        advantages = torch.where(std > 0, advantages / std.clamp(min=1e-12), advantages)
-    return advantages.view(-1).to(rewards.dtype)
+    scored = ~r.isnan()
+    # From deviations from one reward of the group: equal rewards give a std of exactly 0, not a rounding residue.
+    deviations = torch.where(scored, r - r.gather(1, scored.int().argmax(1, keepdim=True)), 0.0)  # [prompts, n]
+    others = scored[:, None, :] & ~(torch.eye(n, dtype=torch.bool) & leave_one_out)  # [prompts, n, n]: i's are [:, i]
+    count = others.sum(-1)  # [prompts, n]
+    mean = (others * deviations[:, None, :]).sum(-1) / count.clamp(min=1)
+    squares = (others * (deviations[:, None, :] - mean[..., None]).square()).sum(-1)
+    std = (squares / (count - 1).clamp(min=1)).sqrt() * (count > 1)
+    advantages = torch.where(normalize & (std > 0), (deviations - mean) / std, deviations - mean)
+    return torch.where(scored, advantages, 0.0).view(-1).to(rewards.dtype)
 
 
 def clipped_pg_loss(
@@ -319,6 +320,8 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, p:
     positions reach the LM head; log-softmax runs in fp32 chunks, recomputed in backward (no fp32 [B, T, vocab]).
     Packed: one row, and a sample whose prompt is the previous one's attends to that copy (gradients flow into it)."""
     B, T = input_ids.shape
+    if B == 0:  # this rank has no sample in this micro-batch: FSDP's forward and backward need it all the same
+        return torch.zeros(0, T, device=input_ids.device) + 0 * model(input_ids=input_ids.new_zeros(1, 1)).logits.sum()
     if p.sequence_packing.enabled:
         column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T]: the position id of each token
         shared = shared_prompt_lengths(input_ids, token_mask)[:, None]  # [B, 1]
@@ -373,16 +376,15 @@ def shared_prompt_lengths(input_ids: torch.Tensor, token_mask: torch.Tensor) -> 
 
 
 def micro_batches(lengths: list[int], shared: list[int], max_samples: int, budget: Optional[int]) -> list[list[int]]:
-    """One rank's samples in order, max_samples or `budget` tokens at a time; as many on every rank."""
-    if budget is None:
-        return [list(range(i, min(i + max_samples, len(lengths)))) for i in range(0, len(lengths), max_samples)]
+    """One rank's samples in order, max_samples or `budget` tokens at a time; as many on every rank (FSDP's
+    forwards need all), so a rank with fewer splits its largest ones, down to empty ones (a 1-token dummy)."""
     groups, tokens = [[]], 0
     for i in range(len(lengths)):
         tokens += lengths[i] - shared[i]
-        if groups[-1] and tokens > budget:
+        if groups[-1] and (tokens > budget if budget else len(groups[-1]) == max_samples):
             groups, tokens = groups + [[]], lengths[i]
         groups[-1].append(i)
-    most = all_reduce([len(groups)], dist.ReduceOp.MAX)[0]  # once: a rank with fewer splits its largest ones
+    most = all_reduce([len(groups)], dist.ReduceOp.MAX)[0]  # once: in the loop condition, counts would deadlock
     while len(groups) < most:
         largest = groups.pop(max(range(len(groups)), key=lambda g: len(groups[g])))
         groups += [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
@@ -399,7 +401,7 @@ def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: 
     lengths = sample_lengths(token_mask[rows])
     shared = shared_prompt_lengths(input_ids[rows], token_mask[rows])
     for group in micro_batches(lengths.tolist(), shared.tolist(), size, budget if p.sequence_packing.enabled else None):
-        yield rows[group], int(lengths[group].max())
+        yield rows[group], max(lengths[group].tolist(), default=1)
 
 
 def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -413,9 +415,9 @@ def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, c
     return logprobs
 
 
-def get_lr(update: int, cfg: Config) -> float:
-    """Linear warmup over policy.optimizer.warmup_steps updates (counted from 0 over the run), then constant."""
-    return cfg.lr * min(1.0, (update + 1) / max(cfg.warmup_steps, 1))
+def get_lr(step: int, cfg: Config) -> float:
+    """Linear warmup over the first policy.optimizer.warmup_steps GRPO steps (from 1), then constant."""
+    return cfg.lr * min(1.0, step / max(cfg.warmup_steps, 1))
 
 
 def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) -> dict:
@@ -456,9 +458,8 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
                 counts[name] += count
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p.max_grad_norm)
         grad_norms.append(grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item())
-        lr = get_lr((step - 1) * n_updates + k, p.optimizer)
         if math.isfinite(grad_norms[-1]):  # the global norm: every rank takes the same decision
-            optimizer_step(optimizer, lr, generator if p.precision == "bfloat16" else None)
+            optimizer_step(optimizer, get_lr(step, p.optimizer), generator if p.precision == "bfloat16" else None)
         else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights and Adam's moments
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
@@ -469,7 +470,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
         "train/grad_norm": float(np.mean(grad_norms)),
         **{f"train/{n}": s / max(c, 1e-12) for n, s, c in zip(names, reduced[1:], reduced[1 + len(names) :])},
         **mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask),
-        "train/lr": lr,
+        "train/lr": get_lr(step, p.optimizer),
         "train/skipped_updates": skipped,
     }
 
@@ -477,7 +478,8 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
 def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -> None:
     """AdamW at `lr`. bf16: the update goes to fp32 masters (in the optimizer's state, so in checkpoints) and the
     one bf16 copy, which trainer and engine share, becomes their stochastic rounding."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # Those AdamW updates: a parameter without a gradient (an expert no token reached) keeps its state and value.
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     with torch.no_grad():
         for p in params:
             if "master" in optimizer.state[p]:
@@ -1020,19 +1022,27 @@ def import_object(spec: str, key: str) -> Any:
 
 def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], completion_ids: list) -> list[float]:
     """One turn's rewards: each function's values to sample.rewards, their weighted sums returned. TRL-style (the
-    signature takes `completions`): one call with keyword lists; others per sample. None: does not apply."""
+    signature takes `completions`): one call with keyword lists, as TRL 1.16 makes it; others per sample. None: does
+    not apply. A partial is named by its function (numbered where two share a name)."""
     totals, errors = [0.0] * len(rows), []
-    for fn, weight in run.reward_fns:
-        name = getattr(fn, "__name__", type(fn).__name__)
+    names = [getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__) for fn, _ in run.reward_fns]
+    for i, ((fn, weight), name) in enumerate(zip(run.reward_fns, names)):
+        name = name if names.count(name) == 1 else f"{name}_{i}"
         if "completions" in inspect.signature(fn).parameters:
-            names = dict.fromkeys(k for r in rows for k in r["columns"])  # every field of the rows (JSONL rows vary)
-            columns = {k: [r["columns"].get(k) for r in rows] for k in names}
+            keys = dict.fromkeys(k for r in rows for k in r["columns"])  # every field of the rows (JSONL rows vary)
+            columns = {k: [r["columns"].get(k) for r in rows] for k in keys if k not in ("prompt", "completion")}
             messages = [[{"role": "assistant", "content": text}] for text in texts]
-            kwargs = dict(columns, prompts=[r["messages"] for r in rows], completions=messages)
-            ((values, why),) = run.runner([(fn, (), dict(kwargs, completion_ids=completion_ids))])
+            epoch = run.info["consumed_samples"] / len(run.train_rows)
+            state = Config(global_step=run.info["step"], max_steps=run.cfg.grpo.max_num_steps, epoch=epoch)
+            kwargs = dict(columns, prompts=[r["messages"] for r in rows], completions=messages, trainer_state=state)
+            ((result, why),) = run.runner([(trl_call, (fn, dict(kwargs, completion_ids=completion_ids)), {})])
+            values, metrics, extra = result or (None, {}, {})
             if why is None and not (isinstance(values, (list, tuple)) and len(values) == len(rows)):
                 why = f"returned {type(values).__name__} {values!r:.50}, not a list of {len(rows)} values"
             results = [(None, why)] * len(rows) if why else [(value, None) for value in values]
+            for j, sample in enumerate(samples):  # what it logged: a metric per call, a column value per sample
+                sample.metrics.update({k: float(v) for k, v in metrics.items() if not not_finite(v)})
+                sample.extra.update({k: v[j] for k, v in extra.items() if isinstance(v, list) and len(v) == len(rows)})
         else:
             results = run.runner([(fn, (r["prompt"], text, r["answer"]), {}) for r, text in zip(rows, texts)])
         for i, (sample, (value, why)) in enumerate(zip(samples, results)):
@@ -1043,6 +1053,13 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
             totals[i] += weight * (sample.rewards[name] or 0.0)
     warn_failures(errors, len(rows) * len(run.reward_fns))
     return totals
+
+
+def trl_call(fn: Callable, kwargs: dict) -> tuple:
+    """A TRL-style function's values (awaited if it is async), and what it logged: {name: value}, {column: values}."""
+    metrics, extra = {}, {}
+    values = fn(**kwargs, log_metric=metrics.__setitem__, log_extra=extra.__setitem__)
+    return (asyncio.run(values) if inspect.iscoroutine(values) else values), metrics, extra
 
 
 def not_finite(value) -> Optional[str]:
@@ -1118,55 +1135,52 @@ def step_envs(runner: Runner, envs: list, texts: list[str]) -> list[tuple]:
     return stepped
 
 
-def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
-    """fn(*args, **kwargs) -> (result, None), or (None, why) when it raises: a user's bug never ends a run."""
+def safe_call(fn: Callable, args: tuple, kwargs: dict, timeout_s: Optional[float] = None) -> tuple:
+    """fn(*args, **kwargs) -> (result, None), or (None, why) when it raises: a user's bug never ends a run. A worker
+    past timeout_s (+ 1 s) ends itself, by SIGALRM's default action (even one stuck in C); the pool replaces it."""
+    signal.alarm(math.ceil(timeout_s) + 1 if timeout_s else 0)
     try:
         return fn(*args, **kwargs), None
     except Exception as e:
         return None, f"raised {type(e).__name__}: {e}"
+    finally:
+        signal.alarm(0)
 
 
 class Runner:
     """Runs rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)], with a time limit in workers."""
 
-    def __init__(self, timeout_s: Optional[float]):
+    def __init__(self, timeout_s: Optional[float], modules: list[str] = ()):
         self.timeout_s, self.pool = timeout_s, None
         self.timed_out = f"gave no result within env.reward_timeout_s={timeout_s}"
         self.workers = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        if timeout_s:
+            # forkserver: workers are never forked from this process, with its engine and collective threads. The
+            # server, started now, imports grpo and the rewards' modules first: no call spends its time importing.
+            # It and its workers ignore SIGINT and SIGTERM (a Ctrl-C or a scheduler's stop is the rank's).
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(sorted({__name__, *modules}))
+            handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+            self.pool = context.Pool(self.workers)
+            self.pool.apply(abs, (0,))
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
     def __call__(self, calls: list[tuple]) -> list[tuple]:
         if not self.timeout_s:
             return [safe_call(*call) for call in calls]
-        if self.pool is None:
-            # forkserver: workers are never forked from this process, with its engine and collective threads. The
-            # server imports the rewards' and environments' modules first: no worker spends a step's time importing.
-            context = multiprocessing.get_context("forkserver")
-            modules = {fn.__module__ for fn, _, _ in calls} | {type(args[0]).__module__ for _, args, _ in calls if args}
-            context.set_forkserver_preload(sorted(modules))
-            self.pool = context.Pool(self.workers)
-        futures = [self.pool.apply_async(safe_call, call) for call in calls]
-        deadline = time.monotonic() + self.timeout_s * math.ceil(len(calls) / self.workers)  # every call's turn
-        for f in futures:
-            f.wait(max(0.0, deadline - time.monotonic()))
-        results = [f.get() if f.ready() else (None, self.timed_out) for f in futures]
-        if any(why == self.timed_out for _, why in results):
-            self.close()  # a stuck worker may never come back: the next call starts a new pool
-        return results
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool = None
+        futures = [self.pool.apply_async(safe_call, (*call, self.timeout_s)) for call in calls]
+        started = time.monotonic()
+        for i, f in enumerate(futures):  # idle workers, calls that end within their limit (+ 1 s): i starts by then
+            f.wait(max(0.0, started + (self.timeout_s + 1) * (i // self.workers + 1) - time.monotonic()))
+        return [f.get() if f.ready() else (None, self.timed_out) for f in futures]
 
 
 def json_row(line: str, path: str, number: int) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"data: {path} line {number} is not valid JSON ({e.msg})")
-    if not isinstance(record, dict):
-        raise ConfigError(f"data: {path} line {number} is not a JSON object")
-    return record
+    with contextlib.suppress(json.JSONDecodeError):
+        if isinstance(record := json.loads(line), dict):
+            return record
+    raise ConfigError(f"data: {path} line {number} is not a JSON object")
 
 
 def load_rows(name: str, split: str, cfg: Config, n_builtin: int, seed: int) -> list[dict]:
@@ -1198,14 +1212,16 @@ def load_rows(name: str, split: str, cfg: Config, n_builtin: int, seed: int) -> 
 
 
 def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """Train and validation rows (validation: val_dataset_name, a task's other seed, a file's last rows)."""
+    """Train and validation rows (validation: val_dataset_name, a task's other seed, a share of a file's rows)."""
     d, g = cfg.data, cfg.grpo
     train = load_rows(d.dataset_name, d.split, d, 10_000, g.seed)
     val_name = d.val_dataset_name or (d.dataset_name if d.dataset_name in TASKS else None)
     if val_name:
         val = load_rows(val_name, d.val_split, d, g.max_val_samples, g.seed + 1)
-    elif d.dataset_name.endswith(".jsonl"):
-        train, val = train[: -g.max_val_samples] or train, train[-g.max_val_samples :]
+    elif d.dataset_name.endswith(".jsonl"):  # a tenth held out (seeded, up to max_val_samples), never trained on
+        order = np.random.default_rng(g.seed).permutation(len(train))
+        held = set(order[: min(len(train) // 10, g.max_val_samples)].tolist())
+        val, train = [r for i, r in enumerate(train) if i in held], [r for i, r in enumerate(train) if i not in held]
     else:
         val = load_rows(d.dataset_name, d.val_split, d, 0, g.seed)
     return train, val[: g.max_val_samples]
@@ -1249,16 +1265,19 @@ RESUME_KEYS = [
 
 
 def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
+    """{step: path} of the checkpoints whose files are all there (a save writes training_info.json last)."""
     names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
-    return {int(n[5:]): os.path.join(checkpoint_dir, n) for n in names if re.fullmatch(r"step_\d+", n)}
+    paths = {int(n[5:]): os.path.join(checkpoint_dir, n) for n in names if re.fullmatch(r"step_\d+", n)}
+    done = ("training_info.json", "policy/.metadata")
+    return {step: path for step, path in paths.items() if all(os.path.exists(f"{path}/{f}") for f in done)}
 
 
 def find_resume_checkpoint(cfg: Config) -> Optional[str]:
-    """The latest complete checkpoint if its config fits this run (else ConfigError); interrupted saves removed."""
+    """The latest complete checkpoint if its config fits this run (else ConfigError); what a kill left removed."""
     ckpt = cfg.checkpointing
     if dist.get_rank() == 0 and os.path.isdir(ckpt.checkpoint_dir):
-        for name in [n for n in os.listdir(ckpt.checkpoint_dir) if n.startswith("tmp_step_")]:
-            print(f"removing partial checkpoint {name} (an interrupted save)", flush=True)
+        for name in [n for n in os.listdir(ckpt.checkpoint_dir) if n.startswith("tmp_")]:
+            print(f"removing {name} (an interrupted save or removal)", flush=True)
             shutil.rmtree(os.path.join(ckpt.checkpoint_dir, name))
     dist.barrier()
     steps = complete_checkpoints(ckpt.checkpoint_dir)
@@ -1354,16 +1373,22 @@ def prune_checkpoints(ckpt: Config) -> None:
     for step, path in steps.items():
         with open(os.path.join(path, "training_info.json")) as f:
             value = json.load(f).get(ckpt.metric_name)
-        metric[step] = -math.inf if value is None else value if ckpt.higher_is_better else -value
+        metric[step] = -math.inf if value is None or math.isnan(value) else value if ckpt.higher_is_better else -value
     keep = set(sorted(steps, key=lambda s: (metric[s], s), reverse=True)[: ckpt.keep_top_k]) | {max(steps)}
-    for step in set(steps) - keep:
-        shutil.rmtree(steps[step])
+    for step in set(steps) - keep:  # renamed first: a kill halfway through leaves a tmp_ directory, removed at start
+        trash = os.path.join(ckpt.checkpoint_dir, f"tmp_removed_step_{step}")
+        os.rename(steps[step], trash)
+        shutil.rmtree(trash)
 
 
 def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
     """Model and optimizer (bf16: its fp32 masters too), resharded by DCP to this run's ranks; training_info.json."""
-    for p in [p for group in optimizer.param_groups for p in group["params"]]:
-        p.grad = torch.zeros_like(p)  # DCP fills the optimizer state that exists: an update at lr 0 makes it
+    # DCP fills the optimizer state that exists: an update at lr 0 makes it where the checkpoint has it (AdamW has none
+    # for a parameter that never had a gradient).
+    saved = dcp.FileSystemReader(os.path.join(path, "policy")).read_metadata().state_dict_metadata
+    for name, p in policy.named_parameters():
+        if f"optim.state.{name}.step" in saved:
+            p.grad = torch.zeros_like(p)
     optimizer_step(optimizer, 0.0, torch.Generator(device()) if cfg.policy.precision == "bfloat16" else None)
     optimizer.zero_grad(set_to_none=True)
     state = trained_state(policy, optimizer)
@@ -1431,6 +1456,8 @@ def record(s: Sample, **extra) -> dict:
         "end": s.end,
         "env_tokens": s.trained.count(0),
         "rewards": s.rewards,
+        "metrics": s.metrics,
+        "extra": s.extra,
         **extra,
     }
 
@@ -1476,6 +1503,7 @@ class Config(dict):
 # for a knob with a default that may also be null. Every knob takes the type of its default.
 RULES = {
     "grpo.val_period": ">= 0",
+    "grpo.max_num_epochs": "int > 0",
     "grpo.seed": ">= 0",
     "grpo.reward_shaping.overlong_buffer_penalty": ">= 0",
     "grpo.reward_shaping.max_response_length": "int > 0",
@@ -1583,6 +1611,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"grpo.num_prompts_per_step must be divisible by the world size {world_size}")
     if samples % p.train_global_batch_size:
         raise ConfigError(f"the {samples} samples of a step must be a multiple of policy.train_global_batch_size")
+    if p.train_global_batch_size % world_size:
+        raise ConfigError(f"policy.train_global_batch_size must be divisible by the world size {world_size}")
     if not p.sequence_packing.enabled and p.train_global_batch_size % (p.train_micro_batch_size * world_size):
         raise ConfigError("policy.train_global_batch_size must be divisible by train_micro_batch_size x world size")
     if world_size % p.generation.vllm_cfg.tensor_parallel_size:
@@ -1605,19 +1635,30 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def read_yaml(path: str) -> dict:
+    """A YAML file, under NeMo-RL's inheritance: `defaults` names parent files (one, or a list merged in order), each
+    relative to the file naming it; a section with `_override_: true` replaces the parents' instead of merging."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     with open(path) as f:
         try:
-            return yaml.safe_load(f) or {}
+            recipe = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+    parents = recipe.pop("defaults", []) if isinstance(recipe, dict) else []
+    base = {}
+    for parent in [parents] if isinstance(parents, str) else parents:
+        base = deep_merge(base, read_yaml(os.path.join(os.path.dirname(path), parent)))
+    return deep_merge(base, recipe) if base else recipe
 
 
 def deep_merge(base: dict, override: dict) -> dict:
     out = dict(base)
     for key, value in override.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        if isinstance(value, dict) and value.get("_override_"):  # NeMo-RL's mark: this section replaces the base's
+            out[key] = {k: v for k, v in value.items() if k != "_override_"}
+        else:
+            merge = isinstance(value, dict) and isinstance(out.get(key), dict)
+            out[key] = deep_merge(out[key], value) if merge else value
     return out
 
 
@@ -1629,10 +1670,10 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-# A NeMo-RL config file (one with a NeMo-RL-only section: `cluster`, `defaults`, `policy.dtensor_cfg` or
+# A NeMo-RL config file (with its parents: one with a NeMo-RL-only section, `cluster`, `policy.dtensor_cfg` or
 # `policy.megatron_cfg`) is read as it is: interpolations resolved, its keys taken under grpo.py's names (the same
 # unless renamed here, by prefix), and those grpo.py has no use for listed in one warning. Other files stay strict.
-NEMO_RL_ONLY = ("cluster", "defaults", "policy.dtensor_cfg", "policy.megatron_cfg")
+NEMO_RL_ONLY = ("cluster", "policy.dtensor_cfg", "policy.megatron_cfg")
 NEMO_RL_KEYS = {
     "policy.optimizer.kwargs.": "policy.optimizer.",  # lr, weight_decay, betas, eps
     "policy.scheduler.0.kwargs.total_iters": "policy.optimizer.warmup_steps",  # if scheduler 0 is a LinearLR
@@ -1649,8 +1690,6 @@ NEMO_RL_KEYS = {
 
 def from_nemo_rl(recipe: dict, path: str, defaults: dict) -> dict:
     """A NeMo-RL config -> the values grpo.py takes from it, in grpo.py's keys."""
-    if "defaults" in recipe:  # NeMo-RL's inheritance: a parent file, relative to this one
-        recipe = deep_merge(read_yaml(os.path.join(os.path.dirname(path), recipe.pop("defaults"))), recipe)
     policy = recipe.get("policy") or {}
     if isinstance(policy.get("scheduler"), list):  # a list of schedulers: flattened by index
         policy["scheduler"] = {str(i): s for i, s in enumerate(policy["scheduler"])}
@@ -1889,27 +1928,44 @@ def train(cfg: Config) -> None:
 def setup(cfg: Config) -> Run:
     """Tokenizer and data (problems stop here, before any model loads), engine, policy, optimizer, resume."""
     transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
+    g = cfg.grpo
     try:
         path = resolve_model_path(cfg)
         try:  # no network, a typo in a hub name, a missing directory
             tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-            tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
+            config = transformers.AutoConfig.from_pretrained(path)
         except Exception as e:
             raise ConfigError(f"policy.model_name: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
-        if cfg.policy.lora.enabled and "lm_head" in cfg.policy.lora.target_modules and tied:
+        lora = cfg.policy.lora
+        if lora.enabled and "lm_head" in lora.target_modules and getattr(config, "tie_word_embeddings", False):
             raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
+        if lora.enabled:  # the model's linear layers by name, built on the meta device: nothing loads
+            with torch.device("meta"):
+                modules = transformers.AutoModelForCausalLM.from_config(config).named_modules()
+            linear = sorted({n.rpartition(".")[2] for n, m in modules if isinstance(m, torch.nn.Linear)})
+            if unknown := sorted(set(lora.target_modules) - set(linear)):
+                raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(linear)})")
         train_rows, val_rows = load_datasets(cfg)
         make_env, reward_fns = get_scoring(cfg)
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
         val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:
             raise ConfigError("data: no prompt fits policy.max_total_sequence_length - generation.max_new_tokens")
+        if g.max_num_epochs:  # as NeMo-RL: whichever ends first, max_num_steps or max_num_epochs passes over the data
+            g.max_num_steps = min(g.max_num_steps, -(-g.max_num_epochs * len(train_rows) // g.num_prompts_per_step))
+        if (g.val_period or g.val_at_start or g.val_at_end) and len(val_rows) < dist.get_world_size():
+            raise ConfigError(
+                f"data: {len(val_rows)} validation prompts, fewer than the {dist.get_world_size()} ranks: set "
+                "data.val_dataset_name, or turn validation off (grpo.val_period=0 grpo.val_at_end=false)"
+            )
         resume_from = find_resume_checkpoint(cfg)
     except ConfigError as e:
         print0(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, Runner(cfg.env.reward_timeout_s), Logger(cfg))
-    g, cpu = cfg.grpo, device().type == "cpu"
+    modules = [getattr(fn, "func", fn).__module__ for fn, _ in reward_fns] + [getattr(make_env, "__module__", __name__)]
+    runner = Runner(cfg.env.reward_timeout_s, modules)
+    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, Logger(cfg))
+    cpu = device().type == "cpu"
     if cfg.policy.precision == "bfloat16" and cpu and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         print0("warning: this CPU emulates bf16 (no AVX-512 BF16 or AMX): policy.precision=float32 is faster here")
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
@@ -1984,6 +2040,8 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
         values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
         metrics[f"train/rewards/{name}/mean"] = np.mean(values) if values else math.nan
         metrics[f"train/rewards/{name}/std"] = np.std(values, ddof=1) if len(values) > 1 else 0.0
+    for name in dict.fromkeys(k for s in samples for k in s["metrics"]):  # TRL's log_metric, over the samples scored
+        metrics[f"train/{name}"] = np.mean([s["metrics"][name] for s in samples if name in s["metrics"]])
     run.logger.log(step, metrics)
     run.logger.write_samples(f"train_data_step{step}.jsonl", samples)
     print_step(step, g.max_num_steps, metrics)
