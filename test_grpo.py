@@ -1048,16 +1048,16 @@ def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, time
 
 
 def test_keep_top_k_and_latest(tmp_path):
-    for step, value in zip(range(1, 7), [0.1, 0.5, None, 0.3, float("nan"), 0.2]):
+    for step, value in zip(range(1, 7), [0.1, float("nan"), 0.5, None, 0.3, 0.2]):
         os.makedirs(tmp_path / f"step_{step}" / "policy")
         (tmp_path / f"step_{step}" / "policy" / ".metadata").write_text("")
         (tmp_path / f"step_{step}" / "training_info.json").write_text(json.dumps({"val_reward": value}))
     ckpt = grpo.load_config([f"checkpointing.checkpoint_dir={tmp_path}", "checkpointing.keep_top_k=2"]).checkpointing
     grpo.prune_checkpoints(ckpt)
-    assert sorted(os.listdir(tmp_path)) == ["step_2", "step_4", "step_6"]  # the best two, and the latest; NaN last
+    assert sorted(os.listdir(tmp_path)) == ["step_3", "step_5", "step_6"]  # the best two, and the latest; NaN last
     ckpt.higher_is_better = False
     grpo.prune_checkpoints(ckpt)
-    assert sorted(os.listdir(tmp_path)) == ["step_4", "step_6"]  # 0.3 and 0.2 beat 0.5
+    assert sorted(os.listdir(tmp_path)) == ["step_5", "step_6"]  # 0.3 and 0.2 beat 0.5
 
 
 @pytest.mark.slow
