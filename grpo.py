@@ -478,7 +478,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
 def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -> None:
     """AdamW at `lr`. bf16: the update goes to fp32 masters (in the optimizer's state, so in checkpoints) and the
     one bf16 copy, which trainer and engine share, becomes their stochastic rounding."""
-    # Those AdamW updates: a parameter without a gradient (an expert no token reached) keeps its state and value.
+    # The parameters AdamW updates: one without a gradient (an expert no token reached) keeps its state and value.
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     with torch.no_grad():
         for p in params:
@@ -1645,10 +1645,8 @@ def read_yaml(path: str) -> dict:
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
     parents = recipe.pop("defaults", []) if isinstance(recipe, dict) else []
-    base = {}
-    for parent in [parents] if isinstance(parents, str) else parents:
-        base = deep_merge(base, read_yaml(os.path.join(os.path.dirname(path), parent)))
-    return deep_merge(base, recipe) if base else recipe
+    paths = [os.path.join(os.path.dirname(path), p) for p in ([parents] if isinstance(parents, str) else parents)]
+    return functools.reduce(deep_merge, [read_yaml(p) for p in paths] + [recipe]) if paths else recipe
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -1951,7 +1949,7 @@ def setup(cfg: Config) -> Run:
         val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:
             raise ConfigError("data: no prompt fits policy.max_total_sequence_length - generation.max_new_tokens")
-        if g.max_num_epochs:  # as NeMo-RL: whichever ends first, max_num_steps or max_num_epochs passes over the data
+        if g.max_num_epochs:  # as NeMo-RL: max_num_steps or max_num_epochs passes (steps rounded up), whichever first
             g.max_num_steps = min(g.max_num_steps, -(-g.max_num_epochs * len(train_rows) // g.num_prompts_per_step))
         if (g.val_period or g.val_at_start or g.val_at_end) and len(val_rows) < dist.get_world_size():
             raise ConfigError(

@@ -1336,7 +1336,9 @@ def uneven_worker():
             metrics["train/grad_norm"],
             metrics["train/loss"],
         ]
-    print(json.dumps({"rank": rank, **results}), flush=True)
+    gathered = grpo.gather_all([{"rank": rank, **results}])  # one line: two ranks' prints could interleave
+    if rank == 0:
+        print(json.dumps(gathered), flush=True)
     torch.distributed.destroy_process_group()
 
 
@@ -1344,7 +1346,7 @@ def uneven_worker():
 def test_ranks_with_uneven_samples_run_the_same_forwards():
     result = run([__file__, "uneven_worker"], ranks=2, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = {r["rank"]: r for r in map(json.loads, [l for l in result.stdout.splitlines() if l.startswith("{")])}
+    ranks = {r["rank"]: r for r in json.loads([line for line in result.stdout.splitlines() if line[:1] == "["][-1])}
     print(ranks)
     zero, one = ranks[0], ranks[1]
     assert zero["true 8 8"][0] == one["true 8 8"][0] == [3, 3]  # rank 0: two empty micro-batches, each time
