@@ -1339,7 +1339,10 @@ def uneven_worker():
     gathered = grpo.gather_all([{"rank": rank, **results}])  # one line: two ranks' prints could interleave
     if rank == 0:
         print(json.dumps(gathered), flush=True)
-    torch.distributed.destroy_process_group()
+    torch.distributed.barrier()
+    # Its interpreter teardown, after the work, aborted in C++ in about 1 run of 4 here ("terminate called without an
+    # active exception"), with or without destroy_process_group; grpo.py's own 2-rank exits are clean: skip it.
+    os._exit(0)
 
 
 @pytest.mark.slow
