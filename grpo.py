@@ -1026,8 +1026,8 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
     not apply. A partial is named by its function (numbered where two share a name)."""
     totals, errors = [0.0] * len(rows), []
     names = [getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__) for fn, _ in run.reward_fns]
-    for i, ((fn, weight), name) in enumerate(zip(run.reward_fns, names)):
-        name = name if names.count(name) == 1 else f"{name}_{i}"
+    for k, ((fn, weight), name) in enumerate(zip(run.reward_fns, names)):
+        name = name if names.count(name) == 1 else f"{name}_{k}"
         if "completions" in inspect.signature(fn).parameters:
             keys = dict.fromkeys(k for r in rows for k in r["columns"])  # every field of the rows (JSONL rows vary)
             columns = {k: [r["columns"].get(k) for r in rows] for k in keys if k not in ("prompt", "completion")}
