@@ -1061,7 +1061,7 @@ def test_keep_top_k_and_latest(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_half_removed_checkpoint_is_skipped_and_removed(tmp_path):
+def test_a_half_removed_checkpoint_is_not_counted(tmp_path):
     """A kill during pruning (before it was atomic) left step_1 with only its config: the next run resumes from the
     latest complete one, saves and prunes, never counting step_1; the leftovers of an interrupted removal go."""
     common = ["grpo.py"] + TINY + ["checkpointing.save_period=1", "grpo.val_period=0", f"logger.log_dir={tmp_path}"]
