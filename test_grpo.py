@@ -477,19 +477,17 @@ def test_config_errors_in_process():
     assert grpo.load_config([]).policy.model_name == "Qwen/Qwen2.5-1.5B-Instruct"  # config.yaml as is
 
 
-def test_partial_rollouts_refuse_what_they_cannot_do(tmp_path):
+def test_partial_rollouts_refuse_what_they_cannot_do(dist_world, capfd, tmp_path):
     """Partial rollouts are single-turn, on the vLLM engine, without dynamic sampling: anything else is one line."""
-    partial = TINY + ["grpo.partial_rollouts.enabled=true"]
-    with pytest.raises(grpo.ConfigError, match="needs the vllm backend, and works without grpo.use_dynamic_sampling"):
-        grpo.load_config(partial + ["grpo.use_dynamic_sampling=true"])
-    with pytest.raises(grpo.ConfigError, match="needs the vllm backend"):
-        grpo.load_config(partial + ["policy.generation.backend=hf"])
-    with pytest.raises(grpo.ConfigError, match="batch_multiplier must be >= 1, got 0.5"):
-        grpo.load_config(partial + ["grpo.partial_rollouts.batch_multiplier=0.5"])
-    result = run(["grpo.py"] + partial + ["data.dataset_name=letters", f"logger.log_dir={tmp_path}"])
-    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "config error: grpo.partial_rollouts is single-turn: it works without an environment (env.environment)"
-    ]
+    for extra in (["data.dataset_name=letters"], ["grpo.use_dynamic_sampling=true"], ["policy.generation.backend=hf"]):
+        cfg = grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true", f"logger.log_dir={tmp_path}"] + extra)
+        with pytest.raises(SystemExit) as exit_:
+            grpo.setup(cfg)
+        assert exit_.value.code == 2 and capfd.readouterr().err.strip().splitlines() == [
+            "config error: grpo.partial_rollouts: one turn (no environment), the vllm backend, no dynamic sampling"
+        ]
+    with pytest.raises(grpo.ConfigError, match="batch_multiplier must be > 1, got 1"):
+        grpo.load_config(TINY + ["grpo.partial_rollouts.batch_multiplier=1"])
 
 
 def test_config_yaml_is_the_one_config():
