@@ -2354,7 +2354,7 @@ PARTIAL = TINY + ["grpo.partial_rollouts.enabled=true", "grpo.val_period=0", "ch
 
 @pytest.mark.slow
 def test_partial_rollouts_learn_and_resume_exactly(one_rank_run, tmp_path):
-    """Partial rollouts, 1 rank: 24 groups in flight, the first 16 whole ones trained, the other 8 carried on after
+    """Partial rollouts, 1 rank: 32 groups in flight, the first 16 whole ones trained, the other 16 carried on after
     the refit (their first tokens one update old). It learns as the synchronous run does, and a run stopped with
     groups cut mid-completion and resumed is exact: the checkpoint holds the carried tokens, logprobs and seeds."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -2363,14 +2363,14 @@ def test_partial_rollouts_learn_and_resume_exactly(one_rank_run, tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         if steps == 2:
             carried = json.load(open(resumed / "checkpoints" / "step_2" / "training_info.json"))["carried"]
-    assert len(carried) == 1 and len(carried[0]) == 8  # one rank's list of groups
+    assert len(carried) == 1 and len(carried[0]) == 16  # one rank's list of groups
     assert any(s["end"] is None and s["ids"] for group in carried[0] for s in group["samples"])  # cut mid-way
     metrics = read_metrics(straight)
     diffs = max_diffs(metrics[:4], read_metrics(resumed))
     print(f"partial rollouts, resumed after step 2 vs uninterrupted, max |diff| over steps 1-4: {diffs}")
     assert diffs["train/reward"] == 0 and diffs["train/loss"] < 1e-6
     key = "train/partial_rollouts/"
-    assert all(m[key + "groups_carried"] == 8 and m[key + "groups_dropped"] == 0 for m in metrics)
+    assert all(m[key + "groups_carried"] == 16 and m[key + "groups_dropped"] == 0 for m in metrics)
     assert metrics[0][key + "token_age_max"] == 0 and all(m[key + "token_age_max"] == 1 for m in metrics[1:])
     assert all(0 < m[key + "resumed_token_share"] == m[key + "token_age_mean"] < 1 for m in metrics[1:])
     samples = [json.loads(line) for line in open(straight / "train_data_step30.jsonl")]
@@ -2399,7 +2399,7 @@ def test_partial_rollouts_two_ranks_in_lockstep_resume_exactly(tmp_path, tp):
     diffs = max_diffs(metrics, read_metrics(resumed))
     print(f"partial rollouts, 2 ranks, TP={tp}, resumed after step 2 vs uninterrupted, max |diff|: {diffs}")
     assert diffs["train/reward"] == 0 and diffs["train/loss"] < 1e-6
-    assert all(m["train/partial_rollouts/groups_carried"] == 8 for m in metrics)  # 4 per rank
+    assert all(m["train/partial_rollouts/groups_carried"] == 16 for m in metrics)  # 8 per rank
     assert all(m["train/partial_rollouts/resumed_token_share"] > 0 for m in metrics[1:])
 
 

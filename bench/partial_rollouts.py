@@ -19,6 +19,7 @@ extra = [a for a in sys.argv[1:] if "=" in a]
 MODES = {
     "sync": [],
     "partial": ["grpo.partial_rollouts.enabled=true"],
+    "partial_2x": ["grpo.partial_rollouts.enabled=true", "grpo.partial_rollouts.batch_multiplier=2"],
     "partial_is": ["grpo.partial_rollouts.enabled=true", "loss_fn.use_importance_sampling_correction=true"],
 }
 if not os.path.exists(os.path.join(model, "config.json")):
@@ -68,8 +69,11 @@ for mode, (metrics, lengths, wall) in runs.items():
           f"{statistics.median(m['timing/train/total_step_time'] for m in metrics):.1f} | {32 * len(metrics) / total:.3f} | "
           f"{statistics.mean(m['train/reward'] for m in metrics):.3f} | {statistics.mean(lengths):.1f} | {wall:.0f}")
 if "sync" in runs and "partial" in runs:
-    rate = {mode: 32 * len(m) / sum(x["timing/train/total_step_time"] for x in m) for mode, (m, _, _) in runs.items()}
-    print(f"trained samples/s, partial / sync = {rate['partial'] / rate['sync']:.2f}x")
+    for mode, (metrics, lengths, _) in runs.items():
+        total = sum(m["timing/train/total_step_time"] for m in metrics)
+        sync_total = sum(m["timing/train/total_step_time"] for m in runs["sync"][0])
+        print(f"{mode} / sync: trained samples/s {sync_total / total:.2f}x, trained completion tokens/s "
+              f"{sum(lengths) / total / (sum(runs['sync'][1]) / sync_total):.2f}x")
 
 # The completion lengths the synchronous run sampled (its trained samples are every sample it generated).
 lengths = sorted(runs[modes[0]][1])
@@ -80,7 +84,7 @@ print("histogram (32-token bins): " + " ".join(str(sum(b * 32 <= n < (b + 1) * 3
       + f" | 256: {sum(n >= 256 for n in lengths)}")
 
 
-def engine_steps(partial: bool, rng, quota=4, n=16, multiplier=1.5, max_age=1, steps=200) -> float:
+def engine_steps(partial: bool, rng, quota=4, n=16, multiplier=1.5, max_age=1, steps=2000) -> float:
     """Decode steps per training step on one engine (a rank): each step every running sample makes one token."""
     carried, total = [], 0
     for step in range(steps):
@@ -95,8 +99,9 @@ def engine_steps(partial: bool, rng, quota=4, n=16, multiplier=1.5, max_age=1, s
     return total / steps
 
 
-rng = random.Random(0)
-sync_steps, partial_steps = engine_steps(False, rng), engine_steps(True, rng)
-print(f"on paper, 8 GPUs, 32 prompts x 16 per step (4 groups per GPU), flat decode cost: {sync_steps:.0f} engine "
-      f"steps per training step synchronous, {partial_steps:.0f} with partial rollouts (1.5x in flight, age <= 1): "
-      f"generation {sync_steps / partial_steps:.2f}x faster")
+for multiplier in (1.5, 2.0):
+    rng = random.Random(0)
+    sync_steps, partial_steps = engine_steps(False, rng), engine_steps(True, rng, multiplier=multiplier)
+    print(f"on paper, 8 GPUs, 32 prompts x 16 per step (4 groups per GPU), flat decode cost: {sync_steps:.0f} engine "
+          f"steps per training step synchronous, {partial_steps:.0f} with partial rollouts ({multiplier}x in flight, "
+          f"age <= 1): generation {sync_steps / partial_steps:.2f}x faster")
