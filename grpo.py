@@ -1233,14 +1233,14 @@ class Runner:
         if timeout_s:
             # forkserver: workers are never forked from this process, with its engine and collective threads. The
             # server, started now, imports grpo and the rewards' modules first: no call spends its time importing.
-            # It and its workers ignore SIGINT and SIGTERM (a Ctrl-C or a scheduler's stop is the rank's).
+            # It and its workers ignore SIGINT (a Ctrl-C reaches the whole process group, and is the rank's); SIGTERM
+            # ends them: Pool.terminate() and the interpreter's exit stop workers with it (ignored, both could hang).
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload(sorted({__name__, *modules}))
-            handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+            handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
             self.pool = context.Pool(self.workers)
             self.pool.apply(abs, (0,))
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
+            signal.signal(signal.SIGINT, handler)
 
     def __call__(self, calls: list[tuple]) -> list[tuple]:
         if not self.timeout_s:
