@@ -1525,21 +1525,16 @@ def refit_worker():
             tied_deep_copy(tiny, path)
         torch.distributed.barrier()
     tokenizer, engine, policy, optimizer, rows = trainer_and_engine(path, cfg, 8, seed=rank)
-    calls = []  # what this rank passed to vLLM and got back (a spy: the real generate runs)
-    vllm_generate = engine.llm.generate
+    calls = []  # what this rank passed to vLLM and got back (a spy: the real engine runs)
+    step_until = engine.step_until
 
-    def spy(prompts, params, **kwargs):
-        outputs = vllm_generate(prompts, params, **kwargs)
-        calls.append(
-            (
-                [p["prompt_token_ids"] for p in prompts],
-                [p.seed for p in params],
-                [list(o.outputs[0].token_ids) for o in outputs],
-            )
-        )
-        return outputs
+    def spy(requests, enough, greedy=False):
+        out = step_until(requests, enough, greedy)
+        prompts, seeds = [r[0] for r in requests.values()], [r[1] for r in requests.values()]
+        calls.append((prompts, seeds, [out[rid][0] for rid in requests]))
+        return out
 
-    engine.llm.generate = spy
+    engine.step_until = spy
 
     def max_diff(step):
         batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, step, rank * 64, 64))
