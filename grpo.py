@@ -180,13 +180,13 @@ def partial_rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     trained = [s for a in done for s in groups[a]["samples"]]
     results = [(s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for s in trained]
     samples = generate_samples(run, [run.train_rows[groups[a]["row"]] for a in done], [], n, first_turn=results)
-    ages = [version - v for s in trained for v in s["versions"]]  # of the trained tokens
-    local = [sum(s.reward for s in samples), len(ages), sum(ages), sum(a > 0 for a in ages), len(groups) - quota]
+    ages = version - np.concatenate([s["versions"] for s in trained])  # of the trained tokens, no loop over them
+    local = [sum(s.reward for s in samples), ages.size, ages.sum(), (ages > 0).sum(), len(groups) - quota]
     reward_sum, tokens, age_sum, resumed, carried, dropped = all_reduce(local + [dropped])
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), {
         "train/reward": reward_sum / (g.num_prompts_per_step * n),
         "train/partial_rollouts/token_age_mean": age_sum / tokens,  # weight updates since a token was generated
-        "train/partial_rollouts/token_age_max": all_reduce([max(ages)], dist.ReduceOp.MAX)[0],
+        "train/partial_rollouts/token_age_max": all_reduce([ages.max()], dist.ReduceOp.MAX)[0],
         "train/partial_rollouts/resumed_token_share": resumed / tokens,  # generated before a refit: older weights
         "train/partial_rollouts/groups_carried": carried,
         "train/partial_rollouts/groups_dropped": dropped,
@@ -1481,7 +1481,7 @@ def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
     with open(os.path.join(path, "training_info.json")) as f:
         info = json.load(f)
     carried, rank, world = info.get("carried", []), dist.get_rank(), dist.get_world_size()
-    info["carried"] = carried[rank] if len(carried) == world else [g for part in carried for g in part][rank::world]
+    info["carried"] = carried[rank] if len(carried) == world else list(itertools.chain(*carried))[rank::world]
     return info
 
 
