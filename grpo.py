@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
 import yaml
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -111,13 +112,14 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     g = run.cfg.grpo
     if g.partial_rollouts.enabled:
         return partial_rollout(run, step)
-    n, kept, reward_sum = g.num_generations_per_prompt, [], 0.0
+    n, kept, reward_sum, generated = g.num_generations_per_prompt, [], 0.0, 0
     per_round = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)  # prompts, all ranks
     for round_ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
         indices = prompt_indices(run.info["consumed_samples"], per_round, len(run.train_rows), run.cfg)
         run.info["consumed_samples"] += per_round
         samples = generate_share(run, [run.train_rows[i] for i in indices], n, g.seed, step, round_ * per_round)
         reward_sum += sum(s.reward for s in samples)
+        generated += sum(sum(s.trained) for s in samples)  # the assistant's tokens, every turn
         groups = [samples[i : i + n] for i in range(0, len(samples), n)]
         if not g.use_dynamic_sampling:
             break
@@ -132,24 +134,24 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
             "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
         )
     samples = [s for group in groups for s in group]
-    generated = (round_ + 1) * per_round * n
-    reward_sum, kept_sum = all_reduce([reward_sum, sum(s.reward for s in samples)])
-    metrics = {"train/reward": reward_sum / generated}  # every sample generated
+    drawn = (round_ + 1) * per_round * n
+    reward_sum, kept_sum, generated = all_reduce([reward_sum, sum(s.reward for s in samples), generated])
+    metrics = {"train/reward": reward_sum / drawn, "train/generated_tokens": generated}  # every sample generated
     if g.use_dynamic_sampling:
         metrics["train/filtered_reward"] = kept_sum / (g.num_prompts_per_step * n)
         metrics["train/dynamic_sampling_num_gen_batches"] = round_ + 1
-        metrics["train/dynamic_sampling_num_discarded_samples"] = generated - g.num_prompts_per_step * n
+        metrics["train/dynamic_sampling_num_discarded_samples"] = drawn - g.num_prompts_per_step * n
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
 
 
 def partial_rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """Partial rollouts (one turn): batch_multiplier x each rank's share of groups are in flight, and the engine stops
-    once each of its ranks has its share of whole groups. The rest carry over to the next step with their tokens,
-    logprobs and each token's weight version, and go on after the refit (prompt + tokens, prefilled again)."""
+    once each of its ranks can train its share of whole groups, oldest first, and keep every other group within the
+    age limit. The rest carry over to the next step with their tokens, logprobs and each token's weight version, and go
+    on after the refit (prompt + tokens, prefilled again)."""
     g, p, pr, version = run.cfg.grpo, run.cfg.policy, run.cfg.grpo.partial_rollouts, step - 1
     n, quota, rank = g.num_generations_per_prompt, g.num_prompts_per_step // dist.get_world_size(), dist.get_rank()
-    groups = [group for group in run.info["carried"] if version - group["version"] <= pr.max_trajectory_age_steps]
-    dropped = len(run.info["carried"]) - len(groups)
+    groups = run.info["carried"]
     needs = gather_all([max(0, math.ceil(pr.batch_multiplier * quota) - len(groups))])  # new groups, per rank
     indices = prompt_indices(run.info["consumed_samples"], sum(needs), len(run.train_rows), run.cfg)
     run.info["consumed_samples"] += sum(needs)
@@ -157,6 +159,7 @@ def partial_rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
         seeds = [seed_of(g.seed, step, j * n + k) for k in range(n)]
         samples = [{"seed": seed, "ids": [], "logprobs": [], "versions": [], "end": None} for seed in seeds]
         groups.append({"row": indices[j], "version": version, "samples": samples})
+    deadlines = [pr.max_trajectory_age_steps - (version - group["version"]) for group in groups]
     requests, pending, owner = {}, [], {}  # pending: each group's unfinished request ids; owner: their samples
     for a, group in enumerate(groups):
         prompt_ids = run.train_rows[group["row"]]["prompt_ids"]
@@ -165,32 +168,44 @@ def partial_rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
         for rid in pending[-1]:  # its own seed per resume: the same one would replay its first tokens' noise (CPU)
             s = owner[rid] = group["samples"][int(rid.split("-")[3])]
             requests[rid] = (prompt_ids + s["ids"], seed_of(s["seed"], len(s["ids"])), None, limit - len(s["ids"]))
-    parts = run.engine.tp_gather((requests, pending))
-    out = run.engine.step_until(  # until every rank of this engine has its quota of whole groups
-        {rid: request for part, _ in parts for rid, request in part.items()},
-        lambda finished: all(sum(finished.issuperset(ids) for ids in group_ids) >= quota for _, group_ids in parts),
+    parts = run.engine.tp_gather((requests, pending, deadlines))
+    out = run.engine.step_until(  # until every rank of this engine can take its groups
+        {rid: request for part, _, _ in parts for rid, request in part.items()},
+        lambda finished: all(
+            pick_groups([finished.issuperset(ids) for ids in group_ids], due, quota)[1] for _, group_ids, due in parts
+        ),
     )
     for rid, s in owner.items():
         ids, logprobs, s["end"] = out[rid]
         s["ids"] += ids
         s["logprobs"] += logprobs
         s["versions"] += [version] * len(ids)
-    done = [a for a, group in enumerate(groups) if all(s["end"] for s in group["samples"])][:quota]  # oldest first
+    done, _ = pick_groups([all(s["end"] for s in group["samples"]) for group in groups], deadlines, quota)
     run.info["carried"] = [group for a, group in enumerate(groups) if a not in done]
     trained = [s for a in done for s in groups[a]["samples"]]
     results = [(s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for s in trained]
     samples = generate_samples(run, [run.train_rows[groups[a]["row"]] for a in done], [], n, first_turn=results)
     ages = version - np.concatenate([s["versions"] for s in trained])  # of the trained tokens, no loop over them
-    local = [sum(s.reward for s in samples), ages.size, ages.sum(), (ages > 0).sum(), len(groups) - quota]
-    reward_sum, tokens, age_sum, resumed, carried, dropped = all_reduce(local + [dropped])
+    generated = sum(len(out[rid][0]) for rid in owner)  # this step's, this rank's: finished or cut off
+    local = [sum(s.reward for s in samples), ages.size, ages.sum(), (ages > 0).sum(), len(groups) - quota, generated]
+    reward_sum, tokens, age_sum, resumed, carried, generated = all_reduce(local)
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), {
         "train/reward": reward_sum / (g.num_prompts_per_step * n),
+        "train/generated_tokens": generated,
         "train/partial_rollouts/token_age_mean": age_sum / tokens,  # weight updates since a token was generated
         "train/partial_rollouts/token_age_max": all_reduce([ages.max()], dist.ReduceOp.MAX)[0],
         "train/partial_rollouts/resumed_token_share": resumed / tokens,  # generated before a refit: older weights
         "train/partial_rollouts/groups_carried": carried,
-        "train/partial_rollouts/groups_dropped": dropped,
     }
+
+
+def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[list[int], bool]:
+    """The groups to train (the first `quota` done ones: groups are oldest first) and whether to take them now: once
+    every group left can still be trained in time. A group's deadline is the steps it may still wait, so the k-th
+    nearest deadline left (from 0) must be >= (k + 1) / quota: a step trains quota groups. None is then ever dropped."""
+    picked = [a for a, is_done in enumerate(done) if is_done][:quota]
+    left = sorted(deadline for a, deadline in enumerate(deadlines) if a not in picked)
+    return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
 
 
 def generate_samples(run: Run, rows: list[dict], seeds: list, n: int, greedy=False, first_turn=None) -> list[Sample]:
@@ -1360,15 +1375,20 @@ def find_resume_checkpoint(cfg: Config) -> Optional[str]:
     if not ckpt.enabled or not steps:
         return None
     path = steps[max(steps)]
-    saved, now = flatten(read_yaml(os.path.join(path, "config.yaml"))), flatten(cfg)
-    keys = [k for k in now if k.startswith(tuple(RESUME_KEYS))]
-    changed = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in keys if saved.get(k) != now[k]]
+    changed = changed_keys(path, cfg, RESUME_KEYS)
     if changed and not ckpt.allow_config_change:
         raise ConfigError(
             f"{path} was written with a different {changed[0]}, which changes the data order or the "
             "model; use another checkpointing.checkpoint_dir, or checkpointing.allow_config_change=true"
         )
     return path
+
+
+def changed_keys(path: str, cfg: Config, prefixes: list[str]) -> list[str]:
+    """'key: saved -> now' for each key under one of the prefixes that differs from the checkpoint's config."""
+    saved, now = flatten(read_yaml(os.path.join(path, "config.yaml"))), flatten(cfg)
+    keys = [k for k in now if k.startswith(tuple(prefixes))]
+    return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in keys if saved.get(k) != now[k]]
 
 
 def write_files(out_dir: str, files: dict) -> None:
@@ -1431,8 +1451,10 @@ def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, token
         export_hf(policy, tokenizer, os.path.join(tmp, "hf"), cfg)
         if cfg.policy.lora.enabled:
             export_adapters(policy, os.path.join(tmp, "hf_adapter"), cfg)
+    if cfg.grpo.partial_rollouts.enabled:
+        save_carried(info["carried"], os.path.join(tmp, f"carried_rank{dist.get_rank()}.safetensors"))
     dist.barrier()  # every rank's files are written
-    info = {**info, "carried": gather_all([info["carried"]])}  # partial rollouts' groups, by rank
+    info = {key: value for key, value in info.items() if key != "carried"}
     write_files(tmp, {"training_info.json": info, "config.yaml": cfg})  # JSON: YAML reads it
     if dist.get_rank() == 0:
         os.rename(tmp, final)  # from here on the checkpoint exists, complete
@@ -1479,10 +1501,46 @@ def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
         policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
     )
     with open(os.path.join(path, "training_info.json")) as f:
-        info = json.load(f)
-    carried, rank, world = info.get("carried", []), dist.get_rank(), dist.get_world_size()
-    info["carried"] = carried[rank] if len(carried) == world else list(itertools.chain(*carried))[rank::world]
-    return info
+        return {**json.load(f), "carried": load_carried(path, cfg)}
+
+
+def save_carried(groups: list[dict], path: str) -> None:
+    """One rank's carried groups: their tokens' ids, logprobs and weight versions as flat tensors (12 bytes a token),
+    the rest (rows, seeds, lengths, ends) as JSON in the file's metadata."""
+    samples = [s for group in groups for s in group["samples"]]
+    columns = {"ids": np.int32, "logprobs": np.float32, "versions": np.int32}
+    tokens = {
+        k: np.concatenate([np.zeros(0, dtype)] + [np.asarray(s[k], dtype) for s in samples])
+        for k, dtype in columns.items()
+    }
+    meta = [
+        {**group, "samples": [{"seed": s["seed"], "end": s["end"], "length": len(s["ids"])} for s in group["samples"]]}
+        for group in groups
+    ]
+    save_file({k: torch.from_numpy(v) for k, v in tokens.items()}, path, metadata={"groups": json.dumps(meta)})
+
+
+def load_carried(path: str, cfg: Config) -> list[dict]:
+    """This rank's carried groups; at another world size all ranks' groups, oldest first, dealt round-robin. None after
+    a change of the data or of what generated them (a sample would go on under another prompt or length limit)."""
+    files = sorted(pathlib.Path(path).glob("carried_rank*.safetensors"), key=lambda f: int(f.stem[12:]))
+    generated_by = RESUME_KEYS + ["grpo.num_generations_per_prompt", "grpo.partial_rollouts.", "policy.generation."]
+    changed = files and changed_keys(path, cfg, generated_by)
+    if changed:
+        print0(f"not continuing the groups carried in {path}: {changed[0]}")
+        return []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = []
+    for f in [files[rank]] if len(files) == world else files:
+        with safe_open(f, "np") as tensors:
+            columns = {k: tensors.get_tensor(k).tolist() for k in ("ids", "logprobs", "versions")}
+            file_groups = json.loads(tensors.metadata()["groups"])
+        offset = 0
+        for s in (s for group in file_groups for s in group["samples"]):
+            s.update({k: column[offset : offset + s["length"]] for k, column in columns.items()})
+            offset += s.pop("length")
+        groups += file_groups
+    return groups if len(files) == world else sorted(groups, key=lambda group: group["version"])[rank::world]
 
 
 # ======== Logging =====================================================================================================
@@ -1588,7 +1646,6 @@ RULES = {
     "grpo.reward_shaping.overlong_buffer_penalty": ">= 0",
     "grpo.reward_shaping.max_response_length": "int > 0",
     "grpo.partial_rollouts.batch_multiplier": "> 1",
-    "grpo.partial_rollouts.max_trajectory_age_steps": ">= 0",
     "loss_fn.reference_policy_kl_penalty": ">= 0",
     "loss_fn.kl_input_clamp_value": "> 0 or null",
     "loss_fn.kl_output_clamp_value": "> 0 or null",
@@ -1622,15 +1679,6 @@ RANGES = {
     "> 1": lambda v: v > 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in (0, 1]": lambda v: 0 < v <= 1,
-}
-# Knobs that are gone, with what replaces them.
-REMOVED = {
-    "policy.refit_rounding": "one bf16 copy, rounded stochastically after each update, serves trainer and engine",
-    "grpo.val_batch_size": "the engine schedules the validation prompts itself",
-    "policy.dynamic_batching": "use policy.sequence_packing",
-    "policy.generation.vllm_cfg.sleep_level": "vLLM always sleeps at level 2 on CUDA: every refit rewrites all weights",
-    "policy.generation.vllm_cfg.cpu_kvcache_space_gb": "set VLLM_CPU_KVCACHE_SPACE (GiB per rank; grpo.py's default 1)",
-    "loss_fn.use_generation_logprobs_as_prev": "with one update per rollout the training forward gives pi_old for free",
 }
 
 
@@ -1672,9 +1720,8 @@ def build_config(defaults: dict, values, prefix: str = "") -> Config:
         raise ConfigError(f"config key '{prefix[:-1]}': expected a mapping, got {type(values).__name__}")
     for key in values:
         if key not in defaults:
-            removed = REMOVED.get(prefix + str(key))
             close = difflib.get_close_matches(str(key), list(defaults), n=1)
-            hint = f" (removed: {removed})" if removed else f" (did you mean '{close[0]}'?)" if close else ""
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
     cfg = Config()
     for key, default in defaults.items():
@@ -1707,6 +1754,18 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError("loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false")
     if (loss.truncated_importance_sampling_ratio_min or 0) > (loss.truncated_importance_sampling_ratio or math.inf):
         raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min must not exceed its ratio")
+    pr = g.partial_rollouts
+    if pr.enabled and pr.batch_multiplier > pr.max_trajectory_age_steps + 1:
+        raise ConfigError(
+            "grpo.partial_rollouts.batch_multiplier must be at most max_trajectory_age_steps + 1: a step trains "
+            "num_prompts_per_step groups and a group lives age + 1 steps, so more in flight would be dropped"
+        )
+    try:  # the problem goes in once; a lone brace is a ValueError
+        once = cfg.data.prompt_template.format("\0").count("\0") == 1
+    except (IndexError, KeyError, ValueError):
+        once = False
+    if not once:
+        raise ConfigError("data.prompt_template takes exactly one {} (the problem); write literal braces doubled: {{}}")
     if g.val_greedy and g.val_num_generations_per_prompt > 1:
         raise ConfigError("grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1")
     if not all(isinstance(spec, str) and ":" in spec for spec in cfg.env.reward_fn or []):
@@ -2093,9 +2152,9 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     """Throughput per device, log, print, count non-finite steps; True when the run stops here."""
     g, world = run.cfg.grpo, dist.get_world_size()
     local = [batch.token_mask.sum().item(), sample_lengths(batch.token_mask).sum().item(), len(batch.rewards)]
-    generated, trained, n = all_reduce(local)  # trained: prompt + completion tokens, no padding
-    metrics["train/mean_gen_tokens"] = generated / n
-    metrics["perf/generated_tokens_per_s"] = generated / world / times["generation"]
+    completions, trained, n = all_reduce(local)  # trained: prompt + completion tokens, no padding
+    metrics["train/mean_gen_tokens"] = completions / n
+    metrics["perf/generated_tokens_per_s"] = metrics["train/generated_tokens"] / world / times["generation"]
     metrics["perf/trained_tokens_per_s"] = trained / world / times["policy_training"]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in gpu), None)

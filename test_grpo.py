@@ -26,6 +26,7 @@ import weakref
 
 import pytest
 import torch
+import transformers
 
 import grpo
 
@@ -443,7 +444,7 @@ def test_config_errors_in_process():
         grpo.load_config(["grpo.use_leave_one_out_baseline=3"])
     with pytest.raises(grpo.ConfigError, match="train_micro_batch_size x world size"):
         grpo.load_config(TINY + ["policy.train_micro_batch_size=48", "policy.sequence_packing.enabled=false"])
-    with pytest.raises(grpo.ConfigError, match=r"policy.dynamic_batching' \(removed: use policy.sequence_packing\)"):
+    with pytest.raises(grpo.ConfigError, match=r"unknown config key 'policy.dynamic_batching'$"):
         grpo.load_config(TINY + ["policy.dynamic_batching.enabled=true"])
     with pytest.raises(grpo.ConfigError, match="divisible by the world size 3"):
         grpo.load_config(TINY, world_size=3)
@@ -488,6 +489,146 @@ def test_partial_rollouts_refuse_what_they_cannot_do(dist_world, capfd, tmp_path
         ]
     with pytest.raises(grpo.ConfigError, match="batch_multiplier must be > 1, got 1"):
         grpo.load_config(TINY + ["grpo.partial_rollouts.batch_multiplier=1"])
+    with pytest.raises(grpo.ConfigError, match=r"batch_multiplier must be at most max_trajectory_age_steps \+ 1"):
+        grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true", "grpo.partial_rollouts.batch_multiplier=3"])
+
+
+def test_pick_groups_by_hand():
+    """Oldest first, and not before every group left can be trained within its age limit (deadline: steps left)."""
+    assert grpo.pick_groups([False, True, True, True], [0, 1, 1, 1], 2) == ([1, 2], False)  # group 0 is due now
+    assert grpo.pick_groups([True, False, True, True], [0, 1, 1, 1], 2) == ([0, 2], True)
+    assert grpo.pick_groups([False, False, True, True, True, True], [1, 1, 1, 1, 2, 2], 2) == ([2, 3], True)
+    # three groups due next step, two trained a step: one would be dropped, so wait
+    assert grpo.pick_groups([False, False, False, True, True, True], [1, 1, 1, 2, 2, 2], 2) == ([3, 4], False)
+    assert grpo.pick_groups([True, False, False], [1, 1, 1], 2) == ([0], False)  # not enough done
+
+
+def test_carried_groups_save_compact_and_load_oldest_first_unless_the_config_changed(dist_world, tmp_path, capfd):
+    """Two ranks' files read by one rank: every group, oldest first (each rank's list is), tokens and logprobs exact;
+    none after a change of what generated them or of the data (a sample would go on under another limit or prompt)."""
+    cfg = grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true"])
+    g = torch.Generator().manual_seed(0)
+
+    def group(row: int, version: int, lengths: list[int]) -> dict:
+        samples = [
+            {
+                "seed": 10 * row + k,
+                "end": "length" if n == 5 else None,
+                "ids": torch.randint(0, 100, (n,), generator=g).tolist(),
+                "logprobs": (-torch.rand(n, generator=g)).tolist(),  # float32 values, as vLLM's
+                "versions": [version] * (n - 1) + [version + 1] * min(n, 1),
+            }
+            for k, n in enumerate(lengths)
+        ]
+        return {"row": row, "version": version, "samples": samples}
+
+    ranks = [
+        [group(0, 0, [5, 0]), group(1, 1, [3, 7]), group(2, 1, [0, 0])],
+        [group(3, 0, [2, 5]), group(4, 1, [9, 1])],
+    ]
+    grpo.write_files(str(tmp_path), {"config.yaml": cfg})
+    for rank, groups in enumerate(ranks):
+        grpo.save_carried(groups, str(tmp_path / f"carried_rank{rank}.safetensors"))
+    assert grpo.load_carried(str(tmp_path), cfg) == [ranks[0][0], ranks[1][0], ranks[0][1], ranks[0][2], ranks[1][1]]
+    size = (tmp_path / "carried_rank1.safetensors").stat().st_size
+    assert size < 12 * (2 + 5 + 9 + 1) + 700, size  # 12 bytes a token, and the groups' JSON
+    assert capfd.readouterr().out == ""
+    changes = {
+        "policy.generation.max_new_tokens=8": "policy.generation.max_new_tokens: 16 -> 8",
+        "data.dataset_name=arithmetic": "data.dataset_name: 'debug' -> 'arithmetic'",
+    }
+    for change, line in changes.items():
+        changed = grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true", change])
+        assert grpo.load_carried(str(tmp_path), changed) == []
+        assert capfd.readouterr().out == f"not continuing the groups carried in {tmp_path}: {line}\n"
+
+
+class LongTailEngine:
+    """vLLM's stepping, with the long tail of completion lengths a tiny model cannot make in a test's time: a new
+    request draws its length (60% 3 tokens, 30% 10, 10% 90: cut by max_tokens), each engine step gives every running
+    request one token whose id is 4 + the tokens it has still to go (a resumed request goes on where it was cut)."""
+
+    def __init__(self, newline: int):
+        self.newline, self.generated, self.finished = newline, 0, []
+
+    def tp_gather(self, part):
+        return [part]
+
+    def step_until(self, requests: dict, enough, greedy=False) -> dict:
+        import random
+
+        left, out, finished = {}, {rid: ([], [], None) for rid in requests}, set()
+        for rid, (ids, seed, _, max_tokens) in requests.items():
+            draw = random.Random(seed).random()
+            left[rid] = (
+                [3, 10, 90][(draw > 0.6) + (draw > 0.9)] if ids[-1] == self.newline else ids[-1] - 4,
+                max_tokens,
+            )
+        while len(finished) < len(requests) and not enough(finished):
+            for rid in set(requests) - finished:
+                (to_go, max_tokens), (ids, logprobs, _) = left[rid], out[rid]
+                ids.append(4 + to_go - 1)
+                logprobs.append(-0.5)
+                left[rid] = (to_go - 1, max_tokens - 1)
+                if to_go == 1 or max_tokens == 1:
+                    out[rid] = (ids, logprobs, "stop" if to_go == 1 else "length")
+                    finished.add(rid)
+                    self.finished.append(out[rid][2])
+        self.generated += sum(len(ids) for ids, _, _ in out.values())
+        return out
+
+
+@pytest.mark.parametrize("multiplier,age", [(2.0, 1), (1.5, 1), (3.0, 2)])
+def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, multiplier, age):
+    """40 steps of 16 groups of 8 from a long-tailed engine: every group drawn is trained within the age limit or still
+    in flight, so every sample the engine finished is trained (or waits) and the truncation rate is the true one; the
+    step's generated tokens are what the engine generated in it."""
+    pr = "grpo.partial_rollouts"
+    knobs = [f"{pr}.enabled=true", f"{pr}.batch_multiplier={multiplier}", f"{pr}.max_trajectory_age_steps={age}"]
+    cfg = grpo.load_config(
+        TINY
+        + knobs
+        + ["policy.generation.max_new_tokens=48", "policy.max_total_sequence_length=96", f"logger.log_dir={tmp_path}"]
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(grpo.resolve_model_path(cfg))
+    rows, _ = grpo.tokenize_prompts(grpo.load_datasets(cfg)[0], tokenizer, cfg)
+    run = grpo.Run(cfg, tokenizer, rows, [], None, [(grpo.debug_reward, 1.0)], grpo.Runner(None), None)
+    run.engine = LongTailEngine(tokenizer.convert_tokens_to_ids("\n"))
+    truncated, ages = 0, []
+    for step in range(1, 41):
+        before = run.engine.generated
+        batch, metrics = grpo.partial_rollout(run, step)
+        assert metrics["train/generated_tokens"] == run.engine.generated - before
+        truncated += batch.truncated.sum().item()
+        ages.append(metrics["train/partial_rollouts/token_age_max"])
+    carried = [s for group in run.info["carried"] for s in group["samples"]]
+    assert run.info["consumed_samples"] == 40 * 16 + len(run.info["carried"])  # none dropped
+    assert truncated + sum(s["end"] == "length" for s in carried) == run.engine.finished.count("length")
+    assert max(ages) == age
+    rate = truncated / (40 * 128)
+    print(f"{multiplier}x in flight, age <= {age}: truncation rate of the trained samples {rate:.3f}")
+    assert 0.05 < rate < 0.2  # 10% of the samples run to the limit
+
+
+def test_a_prompt_template_with_a_plain_brace_exits_with_one_line():
+    """`\\boxed{}` as people write it: one line naming the key and saying how to write it, exit 2, no traceback."""
+    result = run(["grpo.py"] + TINY + ["data.prompt_template={} Reply with just the answer inside \\boxed{}."])
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "config error: data.prompt_template takes exactly one {} (the problem); write literal braces doubled: {{}}"
+    ]
+    for template in ("{}", "Think. {} Put it in \\boxed{{}}."):
+        assert grpo.load_config(TINY + [f"data.prompt_template={template}"]).data.prompt_template == template
+    for template in ("no problem here", "{} and {}", "{0}{0}", "{question}", "a } b {}"):
+        with pytest.raises(grpo.ConfigError, match="data.prompt_template takes exactly one"):
+            grpo.load_config(TINY + [f"data.prompt_template={template}"])
+
+
+def test_paths_in_readme_docs_and_bench_stay_in_the_repo():
+    """A user's clone has only the repo: nothing README, docs/ or bench/ runs or cites may live outside it."""
+    texts = [pathlib.Path(HERE, "README.md")] + [f for d in ("docs", "bench") for f in pathlib.Path(HERE, d).glob("*")]
+    files = [f for f in texts if f.suffix in (".md", ".py", ".sh")]
+    outside = [f"{f.name}: {line.strip()}" for f in files for line in f.read_text().splitlines() if "../" in line]
+    assert outside == []
 
 
 def test_config_yaml_is_the_one_config():
@@ -507,6 +648,7 @@ def test_config_yaml_is_the_one_config():
         if value.strip() and path[0] != "tiny_debug_preset":  # a knob, not a section or the preset
             comments[".".join(path)] = comment.strip()
     assert all(comments.values()), [k for k, c in comments.items() if not c]
+    assert "a seeded tenth of its rows" in comments["data.val_dataset_name"]  # as load_datasets holds them out
     defaults = grpo.flatten({k: v for k, v in yaml.safe_load(text).items() if k != "tiny_debug_preset"})
     assert set(comments) == set(defaults) == set(grpo.flatten(grpo.load_config([])))
     assert set(grpo.RULES) <= set(defaults)
@@ -1965,6 +2107,7 @@ def test_vllm_end_to_end_learns(one_rank_run):
     assert all(METRIC_KEYS <= set(m) for m in metrics)
     assert [m["step"] for m in metrics if "validation/accuracy" in m] == [10, 20, 30]
     assert all(m["validation/pass@1"] == m["validation/accuracy"] for m in metrics if "validation/accuracy" in m)
+    assert all(m["train/generated_tokens"] == m["train/mean_gen_tokens"] * 128 for m in metrics)  # all trained
     samples = [json.loads(line) for line in open(os.path.join(log_dir, "train_data_step30.jsonl"))]
     assert len(samples) == 128 and {"prompt", "turns", "reward", "advantage", "end"} <= set(samples[0])
     val_samples = [json.loads(line) for line in open(os.path.join(log_dir, "val_data_step30.jsonl"))]
@@ -2347,6 +2490,18 @@ def test_multi_turn_two_ranks_match_one_and_resume_exactly(multiturn_run, tmp_pa
 PARTIAL = TINY + ["grpo.partial_rollouts.enabled=true", "grpo.val_period=0", "checkpointing.save_period=2"]
 
 
+def read_carried(path) -> list[dict]:
+    """A carried_rank{r}.safetensors file read on its own: groups as JSON metadata, each sample's logprobs."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        groups, logprobs = json.loads(f.metadata()["groups"]), f.get_tensor("logprobs").tolist()
+    samples = [s for group in groups for s in group["samples"]]
+    for s, end in zip(samples, itertools.accumulate(s["length"] for s in samples)):
+        s["logprobs"] = logprobs[end - s["length"] : end]
+    return groups
+
+
 @pytest.mark.slow
 def test_partial_rollouts_learn_and_resume_exactly(one_rank_run, tmp_path):
     """Partial rollouts, 1 rank: 32 groups in flight, the first 16 whole ones trained, the other 16 carried on after
@@ -2357,15 +2512,15 @@ def test_partial_rollouts_learn_and_resume_exactly(one_rank_run, tmp_path):
         result = run(["grpo.py"] + PARTIAL + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"])
         assert result.returncode == 0, result.stderr[-3000:]
         if steps == 2:
-            carried = json.load(open(resumed / "checkpoints" / "step_2" / "training_info.json"))["carried"]
-    assert len(carried) == 1 and len(carried[0]) == 16  # one rank's list of groups
-    assert any(s["end"] is None and s["ids"] for group in carried[0] for s in group["samples"])  # cut mid-way
+            carried = read_carried(resumed / "checkpoints" / "step_2" / "carried_rank0.safetensors")
+    assert len(carried) == 16
+    assert any(s["end"] is None and s["logprobs"] for group in carried for s in group["samples"])  # cut mid-way
     metrics = read_metrics(straight)
     diffs = max_diffs(metrics[:4], read_metrics(resumed))
     print(f"partial rollouts, resumed after step 2 vs uninterrupted, max |diff| over steps 1-4: {diffs}")
     assert diffs["train/reward"] == 0 and diffs["train/loss"] < 1e-6
     key = "train/partial_rollouts/"
-    assert all(m[key + "groups_carried"] == 16 and m[key + "groups_dropped"] == 0 for m in metrics)
+    assert all(m[key + "groups_carried"] == 16 for m in metrics)
     assert metrics[0][key + "token_age_max"] == 0 and all(m[key + "token_age_max"] == 1 for m in metrics[1:])
     assert all(0 < m[key + "resumed_token_share"] == m[key + "token_age_mean"] < 1 for m in metrics[1:])
     samples = [json.loads(line) for line in open(straight / "train_data_step30.jsonl")]
@@ -2396,6 +2551,30 @@ def test_partial_rollouts_two_ranks_in_lockstep_resume_exactly(tmp_path, tp):
     assert diffs["train/reward"] == 0 and diffs["train/loss"] < 1e-6
     assert all(m["train/partial_rollouts/groups_carried"] == 16 for m in metrics)  # 8 per rank
     assert all(m["train/partial_rollouts/resumed_token_share"] > 0 for m in metrics[1:])
+
+
+@pytest.mark.slow
+def test_partial_rollouts_saved_by_two_ranks_go_on_on_one(tmp_path):
+    """Each rank saves its own carried groups, compact (12 bytes a token and a line of JSON a group); resumed on one
+    rank, all 16 groups go on, each sample from its saved tokens: its logprobs continue the saved ones, bit for bit."""
+    for ranks, steps in ((2, 2), (0, 3)):
+        result = run(["grpo.py"] + PARTIAL + [f"grpo.max_num_steps={steps}", f"logger.log_dir={tmp_path}"], ranks=ranks)
+        assert result.returncode == 0, result.stderr[-3000:]
+        if ranks:
+            files = sorted((tmp_path / "checkpoints" / "step_2").glob("carried_rank*.safetensors"))
+            saved = [s["logprobs"] for f in files for group in read_carried(f) for s in group["samples"]]
+            sizes = [f.stat().st_size for f in files]
+    info = json.load(open(tmp_path / "checkpoints" / "step_2" / "training_info.json"))
+    assert len(files) == 2 and "carried" not in info
+    tokens = sum(map(len, saved))
+    print(f"carried groups: {sizes} bytes for {tokens} tokens ({sum(sizes) / tokens:.1f} bytes a token)")
+    assert len(saved) == 128 and sum(sizes) < 12 * tokens + 64 * 128 + 2 * 1024  # + a seed, end and length each
+    assert "resumed from" in result.stdout and "not continuing" not in result.stdout
+    trained = [json.loads(line)["generation_logprobs"] for line in open(tmp_path / "train_data_step3.jsonl")]
+    left = list(trained)
+    for prefix in sorted(saved, key=len, reverse=True):  # each saved sample is continued by one trained sample
+        left.remove(next((lp for lp in left if lp[: len(prefix)] == prefix), "no trained sample continues it"))
+    assert left == []
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
     python bench/plot.py TRL_JSON_LINE_FILE GRPO_METRICS_JSONL OUT.png [TITLE]
 
-TRL_JSON_LINE_FILE holds peer_trl.py's output (its last line is read); GRPO_METRICS_JSONL is the grpo.py run's
+TRL_JSON_LINE_FILE holds a JSON line with TRL's step_s and reward lists; GRPO_METRICS_JSONL is the grpo.py run's
 metrics.jsonl. Needs matplotlib (not a dependency of grpo.py).
 """
 import itertools, json, sys
