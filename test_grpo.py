@@ -140,6 +140,7 @@ def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=No
     # one sample per token so that each token can carry its own advantage
     return grpo.clipped_pg_loss(
         logprobs.T,
+        torch.zeros_like(logprobs.T),
         prev.T,
         gen.T,
         torch.tensor(advantages),
@@ -186,6 +187,7 @@ def test_kl_is_clamped_like_nemo_rl():
         cfg = loss_cfg(reference_policy_kl_penalty=1.0, **bounds)
         loss, metrics = grpo.clipped_pg_loss(
             logprobs[:, None],
+            torch.zeros_like(mask),
             logprobs.detach()[:, None],
             logprobs.detach()[:, None],
             torch.zeros(len(d), dtype=torch.float64),
@@ -286,7 +288,7 @@ def test_gspo_and_truncated_is_match_an_independent_implementation(gspo, kind):
         truncated_importance_sampling_ratio_min=0.9 if gspo and kind != "seq-mask-tis" else 0.95,
     )
     normalizer = mask.sum().item() if cfg.token_level_loss else B
-    loss, metrics = grpo.clipped_pg_loss(lp, prev, gen, adv, mask, None, cfg, normalizer)
+    loss, metrics = grpo.clipped_pg_loss(lp, torch.zeros_like(lp), prev, gen, adv, mask, None, cfg, normalizer)
     expected, oob = reference_pg_loss(lp.tolist(), prev.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), cfg)
     print(f"gspo={gspo} {kind}: loss {loss.item():.6f} (reference {expected:.6f}), is_oob_ratio {oob:.3f}")
     assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
@@ -373,12 +375,14 @@ def test_math_reward():
 
 
 def test_countdown_reward_and_hostile_inputs():
+    from examples import countdown
+
     answer = {"numbers": [3, 5, 7], "target": 22}
-    assert grpo.countdown_reward("", "\\boxed{3 * 5 + 7}", answer) == 1.0
-    assert grpo.countdown_reward("", "\\boxed{(7 + 5) / 3 * 5 = 20}", {"numbers": [3, 5, 7, 5], "target": 20}) == 1.0
-    assert grpo.countdown_reward("", "\\boxed{3 * 5 + 7 + 0}", answer) == 0.0  # a number not given
-    assert grpo.countdown_reward("", "\\boxed{3 * 7 + 5}", answer) == 0.0  # wrong value
-    assert grpo.countdown_reward("", "\\boxed{15 + 7}", answer) == 0.0  # numbers not used
+    assert countdown.reward("", "\\boxed{3 * 5 + 7}", answer) == 1.0
+    assert countdown.reward("", "\\boxed{(7 + 5) / 3 * 5 = 20}", {"numbers": [3, 5, 7, 5], "target": 20}) == 1.0
+    assert countdown.reward("", "\\boxed{3 * 5 + 7 + 0}", answer) == 0.0  # a number not given
+    assert countdown.reward("", "\\boxed{3 * 7 + 5}", answer) == 0.0  # wrong value
+    assert countdown.reward("", "\\boxed{15 + 7}", answer) == 0.0  # numbers not used
     hostile = [
         "\\boxed{__import__('os').system('touch /tmp/pwned')}",
         "\\boxed{9**9**9}",
@@ -393,28 +397,31 @@ def test_countdown_reward_and_hostile_inputs():
     ]
     start = time.perf_counter()
     for text in hostile:
-        assert grpo.countdown_reward("", text, answer) == 0.0
+        assert countdown.reward("", text, answer) == 0.0
     assert time.perf_counter() - start < 1.0
     assert not os.path.exists("/tmp/pwned")
 
 
-def test_builtin_tasks_score_their_own_answers():
-    for row in grpo.countdown_task(50, seed=1):
+def test_tasks_score_their_own_answers():
+    from examples import arithmetic, countdown
+
+    for row in countdown.task(50, seed=1):
         numbers, target = row["answer"]["numbers"], row["answer"]["target"]
-        assert str(numbers) in row["prompt"] and str(target) in row["prompt"]
-    row = grpo.arithmetic_task(1, seed=1)[0]
-    assert grpo.math_reward(row["prompt"], f"\\boxed{{{row['answer']}}}", row["answer"]) == 1.0
+        assert str(numbers) in row["question"] and str(target) in row["question"]
+        assert countdown.reward("", f"\\boxed{{{'+'.join(map(str, numbers))}}}", row["answer"]) in (0.0, 1.0)
+    row = arithmetic.task(1, seed=1)[0]
+    assert grpo.math_reward(row["question"], f"\\boxed{{{row['answer']}}}", row["answer"]) == 1.0
     row = grpo.debug_task(1, seed=1)[0]
-    assert grpo.debug_reward(row["prompt"], row["answer"] * 3, row["answer"]) == 1.0
-    assert grpo.debug_reward(row["prompt"], "", row["answer"]) == 0.0
+    assert grpo.debug_reward(row["question"], row["answer"] * 3, row["answer"]) == 1.0
+    assert grpo.debug_reward(row["question"], "", row["answer"]) == 0.0
 
 
 def test_datasets_use_the_prompt_template():
     cfg = grpo.load_config(
         TINY
         + [
-            "data.dataset_name=arithmetic",
-            "data.val_dataset_name=countdown",
+            "data.dataset_name=examples.arithmetic:task",
+            "data.val_dataset_name=examples.countdown:task",
             "data.prompt_template='Q: {} A:'",
             "grpo.max_val_samples=5",
         ]
@@ -442,8 +449,6 @@ def test_config_errors_in_process():
         grpo.load_config(["policy.optimizer.lr=fast"])
     with pytest.raises(grpo.ConfigError, match="grpo.use_leave_one_out_baseline.*expected bool"):
         grpo.load_config(["grpo.use_leave_one_out_baseline=3"])
-    with pytest.raises(grpo.ConfigError, match="train_micro_batch_size x world size"):
-        grpo.load_config(TINY + ["policy.train_micro_batch_size=48", "policy.sequence_packing.enabled=false"])
     with pytest.raises(grpo.ConfigError, match=r"unknown config key 'policy.dynamic_batching'$"):
         grpo.load_config(TINY + ["policy.dynamic_batching.enabled=true"])
     with pytest.raises(grpo.ConfigError, match="divisible by the world size 3"):
@@ -478,19 +483,27 @@ def test_config_errors_in_process():
     assert grpo.load_config([]).policy.model_name == "Qwen/Qwen2.5-1.5B-Instruct"  # config.yaml as is
 
 
-def test_partial_rollouts_refuse_what_they_cannot_do(dist_world, capfd, tmp_path):
-    """Partial rollouts are single-turn, on the vLLM engine, without dynamic sampling: anything else is one line."""
-    for extra in (["data.dataset_name=letters"], ["grpo.use_dynamic_sampling=true"], ["policy.generation.backend=hf"]):
-        cfg = grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true", f"logger.log_dir={tmp_path}"] + extra)
-        with pytest.raises(SystemExit) as exit_:
-            grpo.setup(cfg)
-        assert exit_.value.code == 2 and capfd.readouterr().err.strip().splitlines() == [
-            "config error: grpo.partial_rollouts: one turn (no environment), the vllm backend, no dynamic sampling"
-        ]
-    with pytest.raises(grpo.ConfigError, match="batch_multiplier must be > 1, got 1"):
-        grpo.load_config(TINY + ["grpo.partial_rollouts.batch_multiplier=1"])
-    with pytest.raises(grpo.ConfigError, match=r"batch_multiplier must be at most max_trajectory_age_steps \+ 1"):
-        grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true", "grpo.partial_rollouts.batch_multiplier=3"])
+def test_partial_rollouts_and_the_batch_multiplier_refuse_what_cannot_work():
+    """Groups in flight beyond a step's and within the age limit; one turn; a multiplier only where it means something."""
+    for extra in ([], ["grpo.batch_multiplier=3"]):
+        with pytest.raises(grpo.ConfigError, match=r"needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps \+ 1"):
+            grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true"] + extra)
+    with pytest.raises(grpo.ConfigError, match="max_trajectory_age_steps must be > 0, got 0"):
+        grpo.load_config(PARTIAL + ["grpo.partial_rollouts.max_trajectory_age_steps=0"])
+    with pytest.raises(grpo.ConfigError, match="one turn only"):
+        grpo.load_config(PARTIAL + ["env.environment=examples.letters:LettersEnv"])
+    with pytest.raises(grpo.ConfigError, match="batch_multiplier > 1 needs grpo.use_dynamic_sampling or grpo.partial"):
+        grpo.load_config(TINY + ["grpo.batch_multiplier=2"])
+    assert grpo.load_config(PARTIAL + ["grpo.batch_multiplier=3", "grpo.partial_rollouts.max_trajectory_age_steps=2"])
+    assert grpo.load_config(PARTIAL + ["grpo.use_dynamic_sampling=true", "policy.generation.backend=hf"])
+
+
+PARTIAL = TINY + [
+    "grpo.partial_rollouts.enabled=true",
+    "grpo.batch_multiplier=2",
+    "grpo.val_period=0",
+    "checkpointing.save_period=2",
+]
 
 
 def test_pick_groups_by_hand():
@@ -506,7 +519,7 @@ def test_pick_groups_by_hand():
 def test_carried_groups_save_compact_and_load_oldest_first_unless_the_config_changed(dist_world, tmp_path, capfd):
     """Two ranks' files read by one rank: every group, oldest first (each rank's list is), tokens and logprobs exact;
     none after a change of what generated them or of the data (a sample would go on under another limit or prompt)."""
-    cfg = grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true"])
+    cfg = grpo.load_config(PARTIAL)
     g = torch.Generator().manual_seed(0)
 
     def group(row: int, version: int, lengths: list[int]) -> dict:
@@ -535,10 +548,10 @@ def test_carried_groups_save_compact_and_load_oldest_first_unless_the_config_cha
     assert capfd.readouterr().out == ""
     changes = {
         "policy.generation.max_new_tokens=8": "policy.generation.max_new_tokens: 16 -> 8",
-        "data.dataset_name=arithmetic": "data.dataset_name: 'debug' -> 'arithmetic'",
+        "data.shuffle=false": "data.shuffle: True -> False",
     }
     for change, line in changes.items():
-        changed = grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true", change])
+        changed = grpo.load_config(PARTIAL + [change])
         assert grpo.load_carried(str(tmp_path), changed) == []
         assert capfd.readouterr().out == f"not continuing the groups carried in {tmp_path}: {line}\n"
 
@@ -551,10 +564,7 @@ class LongTailEngine:
     def __init__(self, newline: int):
         self.newline, self.generated, self.finished = newline, 0, []
 
-    def tp_gather(self, part):
-        return [part]
-
-    def step_until(self, requests: dict, enough, greedy=False) -> dict:
+    def step_until(self, requests: dict, enough=None, state=None, greedy=False) -> dict:
         import random
 
         left, out, finished = {}, {rid: ([], [], None) for rid in requests}, set()
@@ -564,7 +574,7 @@ class LongTailEngine:
                 [3, 10, 90][(draw > 0.6) + (draw > 0.9)] if ids[-1] == self.newline else ids[-1] - 4,
                 max_tokens,
             )
-        while len(finished) < len(requests) and not enough(finished):
+        while len(finished) < len(requests) and not (enough and enough(finished, [state])):
             for rid in set(requests) - finished:
                 (to_go, max_tokens), (ids, logprobs, _) = left[rid], out[rid]
                 ids.append(4 + to_go - 1)
@@ -584,7 +594,7 @@ def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, mult
     in flight, so every sample the engine finished is trained (or waits) and the truncation rate is the true one; the
     step's generated tokens are what the engine generated in it."""
     pr = "grpo.partial_rollouts"
-    knobs = [f"{pr}.enabled=true", f"{pr}.batch_multiplier={multiplier}", f"{pr}.max_trajectory_age_steps={age}"]
+    knobs = [f"{pr}.enabled=true", f"grpo.batch_multiplier={multiplier}", f"{pr}.max_trajectory_age_steps={age}"]
     cfg = grpo.load_config(
         TINY
         + knobs
@@ -597,7 +607,7 @@ def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, mult
     truncated, ages = 0, []
     for step in range(1, 41):
         before = run.engine.generated
-        batch, metrics = grpo.partial_rollout(run, step)
+        batch, metrics = grpo.rollout(run, step)
         assert metrics["train/generated_tokens"] == run.engine.generated - before
         truncated += batch.truncated.sum().item()
         ages.append(metrics["train/partial_rollouts/token_age_max"])
@@ -744,16 +754,30 @@ cluster:
 """
 
 
-@pytest.mark.slow
-def test_a_nemo_rl_config_runs_as_it_is(tmp_path):
-    """Interpolations resolved, renamed keys taken, max_new_tokens = the sequence length (the engine's limit stops a
-    completion), and one warning listing what grpo.py leaves out; then a run of it to the end."""
-    path = tmp_path / "grpo_math_cpu.yaml"
+def nemo_rl_config(*argv: str) -> str:
+    """tools/nemo_rl_config.py's recipe for argv (a NeMo-RL file, then key=value overrides), in process."""
+    spec = importlib.util.spec_from_file_location("nemo_rl_config", os.path.join(HERE, "tools", "nemo_rl_config.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(list(argv))
+
+
+def test_a_nemo_rl_config_converts_to_a_recipe(tmp_path):
+    """Interpolations resolved (after the overrides, as NeMo-RL applies its command line), renamed keys taken, each
+    value with its NeMo-RL key, and what grpo.py leaves out listed with why; passed to grpo.py as it is, one line."""
+    path, recipe = tmp_path / "grpo_math_cpu.yaml", tmp_path / "recipe.yaml"
     path.write_text(NEMO_RL_CONFIG)
+    start = time.perf_counter()
+    result = run(["grpo.py", "--config", str(path)])
+    assert result.returncode == 2 and time.perf_counter() - start < 10
+    assert result.stderr.strip().splitlines() == [
+        f"config error: {path} is a NeMo-RL config: convert it first, python tools/nemo_rl_config.py {path}"
+    ]
+    recipe.write_text(nemo_rl_config(str(path)))
     expected = {
         "policy.optimizer.lr": 2e-3,
         "policy.optimizer.eps": 1e-8,
-        "policy.optimizer.warmup_steps": 3,  # LinearLR's total_iters
+        "policy.optimizer.warmup_steps": 3,  # LinearLR's total_iters: GRPO steps in both
         "grpo.max_num_epochs": 1,
         "policy.logprob_batch_size": 8,
         "policy.sequence_packing.train_mb_tokens": 512,
@@ -761,22 +785,16 @@ def test_a_nemo_rl_config_runs_as_it_is(tmp_path):
         "policy.lora.dim": 4,
         "policy.generation.max_new_tokens": 64,
         "policy.generation.vllm_cfg.max_model_len": 64,
+        "policy.generation.vllm_cfg.gpu_memory_utilization": 0.5,
         "loss_fn.ratio_clip_max": 0.28,
+        "loss_fn.reference_policy_kl_penalty": 0.02,
         "logger.wandb_project": "nemo-project",
         "data.dataset_name": "debug",
     }
-    taken = grpo.flatten(grpo.load_config(["--config", str(path)]))
+    taken = grpo.flatten(grpo.load_config(["--config", str(recipe)]))
     assert {key: taken[key] for key in expected} == expected
-    # As NeMo-RL does, the command line goes in before the interpolations are resolved.
-    taken = grpo.flatten(grpo.load_config(["--config", str(path), "policy.max_total_sequence_length=128"]))
-    lengths = ["policy.generation.max_new_tokens", "policy.generation.vllm_cfg.max_model_len"]
-    assert [taken[key] for key in lengths + ["policy.sequence_packing.train_mb_tokens"]] == [128, 128, 1024]
-    log = tmp_path / "logs"
-    result = run(["grpo.py", "--config", str(path), f"logger.log_dir={log}", "checkpointing.enabled=false"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    warnings = [line for line in result.stderr.splitlines() if "is a NeMo-RL config" in line]
-    assert len(warnings) == 1, result.stderr
-    left_out = warnings[0].split("grpo.py has no use for ")[1].split(", ")
+    assert "    lr: 0.002  # policy.optimizer.kwargs.lr\n" in recipe.read_text()
+    left_out = [line.split(": ")[0][4:] for line in recipe.read_text().split("# left out:\n")[1].splitlines()]
     assert left_out == [
         "grpo.val_batch_size",
         "grpo.async_grpo.*",
@@ -784,6 +802,7 @@ def test_a_nemo_rl_config_runs_as_it_is(tmp_path):
         "policy.logprob_chunk_size",
         "policy.dtensor_cfg.enabled",
         "policy.megatron_cfg.*",
+        "policy.sequence_packing.enabled",
         "policy.sequence_packing.algorithm",
         "policy.optimizer.name",
         "policy.optimizer.kwargs.foreach",
@@ -797,14 +816,30 @@ def test_a_nemo_rl_config_runs_as_it_is(tmp_path):
         "logger.gpu_monitoring.*",
         "cluster.*",
     ]
+    assert "#   policy.logprob_chunk_size: config key 'policy.logprob_chunk_size': expected int" in recipe.read_text()
+    recipe.write_text(nemo_rl_config(str(path), "policy.max_total_sequence_length=128"))
+    taken = grpo.flatten(grpo.load_config(["--config", str(recipe)]))
+    lengths = ["policy.generation.max_new_tokens", "policy.generation.vllm_cfg.max_model_len"]
+    assert [taken[key] for key in lengths + ["policy.sequence_packing.train_mb_tokens"]] == [128, 128, 1024]
+    path.write_text(NEMO_RL_CONFIG.replace("size: ${policy.train_micro_batch_size}", "size: ${policy.micro_batch}"))
+    with pytest.raises(SystemExit, match="policy.logprob_batch_size: cannot resolve"):
+        nemo_rl_config(str(path))
+
+
+@pytest.mark.slow
+def test_a_converted_nemo_rl_config_runs(tmp_path):
+    """The recipe runs to the end: max_new_tokens = the sequence length (the engine's limit stops a completion), and
+    the warmup in GRPO steps as NeMo-RL's scheduler counts them."""
+    path, recipe, log = tmp_path / "grpo_math_cpu.yaml", tmp_path / "recipe.yaml", tmp_path / "logs"
+    path.write_text(NEMO_RL_CONFIG)
+    recipe.write_text(nemo_rl_config(str(path)))
+    result = run(["grpo.py", "--config", str(recipe), f"logger.log_dir={log}", "checkpointing.enabled=false"])
+    assert result.returncode == 0, result.stderr[-3000:]
     assert [m["step"] for m in read_metrics(log)] == [1, 2]
     # LinearLR's total_iters counts GRPO steps in NeMo-RL (its scheduler steps once per step), here 4 updates each
     assert [m["train/lr"] for m in read_metrics(log)] == pytest.approx([2e-3 / 3, 2e-3 * 2 / 3])
     samples = [json.loads(line) for line in open(log / "train_data_step2.jsonl")]
     assert max(len(s["turns"][0]["text"]) for s in samples) > 16  # past the preset's max_new_tokens: to the length
-    path.write_text(NEMO_RL_CONFIG.replace("size: ${policy.train_micro_batch_size}", "size: ${policy.micro_batch}"))
-    with pytest.raises(grpo.ConfigError, match="policy.logprob_batch_size: cannot resolve"):
-        grpo.load_config(["--config", str(path)])
 
 
 def test_a_model_or_dataset_that_cannot_load_exits_with_one_line(tmp_path):
@@ -869,27 +904,31 @@ def nemo_rl_recipes(root, parent: str, child: str) -> str:
 def test_nemo_rl_inheritance_recurses_takes_lists_and_overrides(tmp_path):
     """NeMo-RL's `defaults`: each parent relative to its own file, parents of parents, a list merged in order, and
     `_override_: true` replacing a section instead of merging it (nemo_rl/utils/config.py)."""
+
+    def load(child: str) -> grpo.Config:
+        (tmp_path / "recipe.yaml").write_text(nemo_rl_config(nemo_rl_recipes(tmp_path, parent, child)))
+        return grpo.load_config(["--config", str(tmp_path / "recipe.yaml")])
+
     parent = "defaults: grpo_math_1B.yaml\npolicy:\n  max_total_sequence_length: 128\n  optimizer:\n    kwargs:\n      lr: 1.0e-4\n"
-    child = "defaults: ../grpo_math_8B.yaml\ngrpo:\n  num_prompts_per_step: 16\n"
-    cfg = grpo.load_config(["--config", nemo_rl_recipes(tmp_path, parent, child)])
+    cfg = load("defaults: ../grpo_math_8B.yaml\ngrpo:\n  num_prompts_per_step: 16\n")
     assert cfg.grpo.num_prompts_per_step == 16 and cfg.policy.optimizer.lr == 1e-4  # the child's, the parent's
     assert cfg.policy.generation.max_new_tokens == cfg.policy.generation.vllm_cfg.max_model_len == 128  # 1B's ${}
     assert cfg.policy.sequence_packing.train_mb_tokens == 128 * 8 and cfg.policy.optimizer.eps == 1e-8
     (tmp_path / "other.yaml").write_text("grpo:\n  num_generations_per_prompt: 16\n  max_num_steps: 7\n")
-    child = "defaults: [../grpo_math_8B.yaml, ../other.yaml]\ngrpo:\n  max_num_steps: 5\n"
-    cfg = grpo.load_config(["--config", nemo_rl_recipes(tmp_path, parent, child)])
+    cfg = load("defaults: [../grpo_math_8B.yaml, ../other.yaml]\ngrpo:\n  max_num_steps: 5\n")
     assert (cfg.grpo.num_generations_per_prompt, cfg.grpo.max_num_steps, cfg.policy.optimizer.lr) == (16, 5, 1e-4)
-    child = "defaults: ../grpo_math_8B.yaml\nloss_fn:\n  _override_: true\n  ratio_clip_min: 0.1\n"
-    cfg = grpo.load_config(["--config", nemo_rl_recipes(tmp_path, parent, child)])
+    cfg = load("defaults: ../grpo_math_8B.yaml\nloss_fn:\n  _override_: true\n  ratio_clip_min: 0.1\n")
     assert cfg.loss_fn.ratio_clip_min == 0.1 and cfg.loss_fn.ratio_clip_max == 0.2  # not 1B's 0.28: replaced
     assert cfg.loss_fn.reference_policy_kl_penalty == 0.0  # the tiny-debug preset's, not 1B's 0.02
-    with pytest.raises(grpo.ConfigError, match="config file not found: .*recipes/../nope.yaml"):
-        grpo.load_config(["--config", nemo_rl_recipes(tmp_path, parent, "defaults: ../nope.yaml\n")])
+    with pytest.raises(SystemExit, match="config file not found: .*recipes/../nope.yaml"):
+        load("defaults: ../nope.yaml\n")
 
 
 def test_reward_fn_from_config():
-    cfg = grpo.load_config(TINY + ["env.reward_fn=grpo:countdown_reward"])
-    assert grpo.get_scoring(cfg)[1] == [(grpo.countdown_reward, 1.0)]
+    from examples import countdown
+
+    cfg = grpo.load_config(TINY + ["env.reward_fn=examples.countdown:reward"])
+    assert grpo.get_scoring(cfg)[1] == [(countdown.reward, 1.0)]
     assert grpo.get_scoring(grpo.load_config(TINY))[1] == [(grpo.debug_reward, 1.0)]  # the task's own
     cfg = grpo.load_config(
         TINY + ["env.reward_fn=[grpo:debug_reward, grpo:math_reward]", "env.reward_weights=[1, 0.5]"]
@@ -951,7 +990,7 @@ def test_a_run_ends_after_max_num_epochs(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text(
         "".join(
-            json.dumps({"prompt": f"{i}: {r['prompt']}", "answer": r["answer"]}) + "\n"
+            json.dumps({"prompt": f"{i}: {r['question']}", "answer": r["answer"]}) + "\n"
             for i, r in enumerate(grpo.debug_task(40, 0))
         )
     )
@@ -1247,7 +1286,7 @@ def dist_world():
 def _grad_norm_and_loss(cfg, path, batch):
     torch.manual_seed(0)
     model = grpo.load_policy(path, cfg, trainable=True)
-    optimizer = grpo.make_optimizer(model, cfg.policy.optimizer)
+    optimizer = grpo.make_optimizer(model, cfg)
     batch.prev_logprobs = logprobs(model, batch, cfg) - 0.05  # off-policy: clipping is exercised
     metrics = grpo.train_step(model, optimizer, batch, cfg, step=1)
     return metrics["train/grad_norm"], metrics["train/loss"]
@@ -1289,21 +1328,18 @@ def small_batch(seed: int = 0) -> grpo.RolloutBatch:
     )
 
 
-# one padded batch of 6 first (the reference), then padded micro-batches, dynamic batches and packed ones
+# token budgets: the whole batch in one micro-batch first (the reference), then smaller ones, down to a sample each
 MICRO_BATCHINGS = [
-    ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=6"],
-    ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=2"],
-    ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=1"],
+    ["policy.sequence_packing.train_mb_tokens=1000"],
     ["policy.sequence_packing.train_mb_tokens=30"],
     ["policy.sequence_packing.train_mb_tokens=12"],  # splits a shared-prompt group: [0], [1], ...
-    ["policy.sequence_packing.train_mb_tokens=1000"],
+    ["policy.sequence_packing.train_mb_tokens=1"],
 ]
 
 
 @pytest.mark.parametrize("token_level", [True, False])
 def test_global_normalization_is_independent_of_micro_batches(dist_world, tmp_path, token_level):
-    """Micro-batches of different lengths, by count, by token budget (sorted by length) or packed, give the same
-    loss and gradient norm as one padded batch."""
+    """Micro-batches of any token budget give the same loss and gradient norm as one micro-batch of the whole batch."""
     path = str(tmp_path / "tiny")
     grpo.build_tiny_debug(path)
     results = []
@@ -1377,7 +1413,7 @@ def test_lora_starts_at_the_base_and_trains_adapters_only(dist_world, tmp_path):
     trained = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     assert len(trained) == 2 * 7 * 2  # A and B of q, k, v, o, gate, up, down in 2 layers; never the LM head
-    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    optimizer = grpo.make_optimizer(policy, cfg)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trained)
     with torch.no_grad():
         for module in policy.modules():
@@ -1390,7 +1426,7 @@ def test_lora_starts_at_the_base_and_trains_adapters_only(dist_world, tmp_path):
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(path)
-    weights = dict(kv for bucket in grpo.weight_buckets(policy, cfg.policy) for kv in bucket)
+    weights = dict(kv for bucket in grpo.weight_buckets(policy, cfg) for kv in bucket)
     assert set(weights) == set(merged.state_dict())  # the base layers' names, nothing of LoRA's
     merged.load_state_dict(weights)
     with torch.no_grad():
@@ -1407,9 +1443,9 @@ def test_micro_batches_by_token_budget(dist_world):
     lengths, shared = [7, 13, 4, 8, 15, 6], [0, 4, 0, 3, 0, 0]  # LENGTHS_BATCH: two samples reuse the previous prompt
     assert grpo.sample_lengths(batch.token_mask).tolist() == lengths
     assert grpo.shared_prompt_lengths(batch.input_ids, batch.token_mask).tolist() == shared
-    assert grpo.micro_batches(lengths, shared, 4, None) == [[0, 1, 2, 3], [4, 5]]  # by count, in order
-    packed = grpo.micro_batches(lengths, shared, 4, 30)
+    packed = grpo.micro_batches(lengths, shared, 30)
     assert packed == [[0, 1, 2, 3], [4, 5]]  # in order, shared prompts counted once: 7 + 9 + 4 + 5, then 15 + 6
+    assert grpo.micro_batches(lengths, shared, 1) == [[i] for i in range(6)]  # a sample alone past the budget
 
 
 def test_bf16_updates_leave_parameters_without_gradients_alone(dist_world, tmp_path):
@@ -1425,7 +1461,7 @@ def test_bf16_updates_leave_parameters_without_gradients_alone(dist_world, tmp_p
         torch.manual_seed(0)
         model = Layers({name: torch.nn.Linear(4, 4, bias=False) for name in "abc"})
         fully_shard(model)
-        return model, grpo.make_optimizer(model, grpo.load_config([]).policy.optimizer)
+        return model, grpo.make_optimizer(model, grpo.load_config([]))
 
     model, optimizer = model_and_optimizer()
     x, generator = torch.randn(2, 4), torch.Generator().manual_seed(0)
@@ -1461,31 +1497,30 @@ def test_a_global_batch_the_ranks_cannot_share_is_refused():
 
 def uneven_worker():
     """`python test_grpo.py uneven_worker`, 2 ranks: rank 0 has 1 sample, rank 1 has 3 (HFEngine's multi-turn
-    turns, packed budgets). Logprobs and a train step, packed and padded, with micro-batches that leave rank 0
-    empty ones: every rank runs the same forwards (no hang), and the results equal one micro-batch per rank's."""
+    turns). Logprobs and a train step with token budgets that leave rank 0 empty micro-batches: every rank runs the
+    same forwards (no hang), and the results equal one micro-batch per rank's."""
     grpo.setup_distributed()
     rank = torch.distributed.get_rank()
     batch = small_batch()
     rows = [0] if rank == 0 else [1, 2, 3]
     batch = grpo.RolloutBatch(*(t[rows] for t in list(vars(batch).values())[:6]), [])
     results = {}
-    for packing, size, budget in [("true", 8, 4096), ("true", 8, 8), ("false", 2, 4096), ("false", 1, 4096)]:
-        options = ["policy.train_global_batch_size=4", "policy.train_micro_batch_size=%d" % size]
-        options += ["policy.logprob_batch_size=%d" % size, f"policy.sequence_packing.enabled={packing}"]
+    for budget in (4096, 8, 20, 1):
+        options = ["policy.train_global_batch_size=4"]
         options += [f"policy.sequence_packing.{k}_mb_tokens={budget}" for k in ("train", "logprob")]
         cfg = grpo.load_config(TINY + options + ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"])
         every = torch.arange(len(rows))
         plans = [
-            len(list(grpo.plan_micro_batches(batch.input_ids, batch.token_mask, every, cfg.policy, kind)))
+            len(list(grpo.plan_micro_batches(batch.input_ids, batch.token_mask, every, cfg, kind)))
             for kind in ("train", "logprob")
         ]
         torch.manual_seed(0)
         model = grpo.load_policy(grpo.resolve_model_path(cfg), cfg, trainable=True)
-        optimizer = grpo.make_optimizer(model, cfg.policy.optimizer)
+        optimizer = grpo.make_optimizer(model, cfg)
         batch.prev_logprobs = None
         lp = grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
         metrics = grpo.train_step(model, optimizer, batch, cfg, step=1)
-        results[f"{packing} {size} {budget}"] = [
+        results[str(budget)] = [
             plans,
             lp.sum().item(),
             metrics["train/grad_norm"],
@@ -1507,34 +1542,47 @@ def test_ranks_with_uneven_samples_run_the_same_forwards():
     ranks = {r["rank"]: r for r in json.loads([line for line in result.stdout.splitlines() if line[:1] == "["][-1])}
     print(ranks)
     zero, one = ranks[0], ranks[1]
-    assert zero["true 8 8"][0] == one["true 8 8"][0] == [3, 3]  # rank 0: two empty micro-batches, each time
-    assert zero["false 1 4096"][0] == one["false 1 4096"][0] == [3, 3]
+    assert zero["8"][0] == one["8"][0] == zero["1"][0] == [3, 3]  # rank 0: two empty micro-batches, each time
     for r in (zero, one):  # micro-batching, empty ones included, changes nothing
-        for key in ("true 8 8", "false 2 4096", "false 1 4096"):
-            assert r[key][1:] == pytest.approx(r["true 8 4096"][1:], rel=1e-5, abs=1e-6), key
+        for key in ("8", "20", "1"):
+            assert r[key][1:] == pytest.approx(r["4096"][1:], rel=1e-5, abs=1e-6), key
 
 
-def test_packed_logprobs_and_gradients_equal_padded(dist_world, tmp_path):
-    """Packing changes nothing but the cost: the same logprobs (0 off the scored tokens) and the same gradients,
-    with the prompts that two groups share computed once, and a same-length prompt that differs kept apart."""
+def test_packed_logprobs_entropy_and_gradients_equal_each_sample_alone(dist_world, tmp_path):
+    """A packed row changes nothing but the cost: each sample's logprobs and entropies (0 off the scored tokens) and
+    their gradients are those of a plain transformers forward of the sample alone, log-softmax at the temperature
+    written out here; the prompts two groups share are computed once, a same-length prompt that differs kept apart."""
     path = str(tmp_path / "tiny")
     grpo.build_tiny_debug(path)
     model = grpo.load_policy(path, grpo.load_config(TINY), trainable=True)
     batch = small_batch()
-    weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(1))
-    logprobs, grads = [], []
-    for packed in (False, True):
-        p = grpo.load_config(TINY + ["policy.logprob_chunk_size=7", f"policy.sequence_packing.enabled={packed}"]).policy
-        lp = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, p)  # 7 tokens a chunk: several chunks
-        (lp * weights).sum().backward()
-        logprobs.append(lp.detach())
-        grads.append(torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
-        model.zero_grad(set_to_none=True)
-    diff = (logprobs[0] - logprobs[1]).abs().max().item()
-    grad_diff = ((grads[0] - grads[1]).norm() / grads[0].norm()).item()
-    print(f"packed vs padded: max |logprob diff| {diff:.2e}, relative gradient difference {grad_diff:.2e}")
+    g = torch.Generator().manual_seed(1)
+    weights, entropy_weights = (
+        torch.randn(batch.input_ids.shape, generator=g),
+        torch.randn(batch.input_ids.shape, generator=g),
+    )
+    cfg = grpo.load_config(TINY + ["policy.logprob_chunk_size=7", "policy.generation.temperature=0.7"])
+    lp, entropy = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, cfg)  # 7 tokens a chunk: several
+    ((lp * weights).sum() + (entropy * entropy_weights).sum()).backward()
+    grads = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    expected, expected_entropy, total = torch.zeros_like(lp), torch.zeros_like(lp), 0.0
+    for i, length in enumerate(grpo.sample_lengths(batch.token_mask).tolist()):
+        ids, mask = batch.input_ids[i, :length], batch.token_mask[i, :length]
+        logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].float() / 0.7, dim=-1)  # [length - 1, V]
+        row = torch.cat([torch.zeros(1), logp.gather(1, ids[1:, None])[:, 0]]) * mask
+        row_entropy = torch.cat([torch.zeros(1), -(logp.exp() * logp).sum(-1)]) * mask
+        total = total + (row * weights[i, :length]).sum() + (row_entropy * entropy_weights[i, :length]).sum()
+        expected[i, :length], expected_entropy[i, :length] = row.detach(), row_entropy.detach()
+    total.backward()
+    reference = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    diff = max((lp - expected).abs().max().item(), (entropy - expected_entropy).abs().max().item())
+    grad_diff = ((grads - reference).norm() / reference.norm()).item()
+    print(f"packed vs alone: max |logprob or entropy diff| {diff:.2e}, relative gradient difference {grad_diff:.2e}")
     assert diff < 1e-5 and grad_diff < 1e-5
-    assert all((lp * (1 - batch.token_mask)).abs().max() == 0 for lp in logprobs)
+    assert (lp * (1 - batch.token_mask)).abs().max() == 0 and (entropy * (1 - batch.token_mask)).abs().max() == 0
+    assert entropy[batch.token_mask > 0].min() > 0
 
 
 def test_meta_device_load_equals_transformers(dist_world, tmp_path):
@@ -1562,10 +1610,10 @@ def test_weight_buckets_close_at_layers_in_the_engine_dtype(dist_world, tmp_path
     policy = grpo.load_policy(path, grpo.load_config(TINY), trainable=False)
     full = {n: p.full_tensor() for n, p in policy.named_parameters()}
     layer_bytes = sum(t.numel() * 2 for n, t in full.items() if n.startswith("model.layers.0."))
-    p = grpo.load_config(
+    cfg = grpo.load_config(
         TINY + ["policy.precision=bfloat16", f"policy.refit_buffer_size_gb={layer_bytes * 1.5 / 2**30}"]
-    ).policy
-    buckets = list(grpo.weight_buckets(policy, p))
+    )
+    buckets = list(grpo.weight_buckets(policy, cfg))
     names = [[n for n, _ in b] for b in buckets]
     assert sorted(n for b in names for n in b) == sorted(full)  # every weight once
     assert len(buckets) == 2  # [embeddings, layer 0], [layer 1, final norm, head]: never half a layer
@@ -1637,8 +1685,8 @@ def trainer_and_engine(path: str, cfg, n: int, seed: int) -> tuple:
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
     policy = grpo.load_policy(path, cfg, trainable=True)
-    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
-    rows, _ = grpo.tokenize_prompts(grpo.debug_task(n, seed=seed), tokenizer, cfg)
+    optimizer = grpo.make_optimizer(policy, cfg)
+    rows, _ = grpo.tokenize_prompts(grpo.load_rows("debug", "", cfg.data, n, seed), tokenizer, cfg)
     return tokenizer, engine, policy, optimizer, rows
 
 
@@ -1667,16 +1715,19 @@ def refit_worker():
             tied_deep_copy(tiny, path)
         torch.distributed.barrier()
     tokenizer, engine, policy, optimizer, rows = trainer_and_engine(path, cfg, 8, seed=rank)
-    calls = []  # what this rank passed to vLLM and got back (a spy: the real engine runs)
-    step_until = engine.step_until
+    added, returned = [], []  # what this rank added to vLLM and what it got back (spies: the real engine runs)
+    add_request, step_until = engine.llm.llm_engine.add_request, engine.step_until
 
-    def spy(requests, enough, greedy=False):
-        out = step_until(requests, enough, greedy)
-        prompts, seeds = [r[0] for r in requests.values()], [r[1] for r in requests.values()]
-        calls.append((prompts, seeds, [out[rid][0] for rid in requests]))
+    def spy_add(rid, prompt, params, *args, **kwargs):
+        added.append((rid, prompt["prompt_token_ids"], params.seed))
+        return add_request(rid, prompt, params, *args, **kwargs)
+
+    def spy_step_until(requests, *args, **kwargs):
+        out = step_until(requests, *args, **kwargs)
+        returned.append([out[rid][0] for rid in requests])
         return out
 
-    engine.step_until = spy
+    engine.llm.llm_engine.add_request, engine.step_until = spy_add, spy_step_until
 
     def max_diff(step):
         batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, step, rank * 64, 64))
@@ -1691,7 +1742,7 @@ def refit_worker():
     grpo.train_step(policy, optimizer, batch, cfg, step=1)
     changed = all(not torch.equal(a, p.to_local()) for a, p in zip(shard, trained))
     stale, _, _ = max_diff(2)
-    tracked = LiveBytes(grpo.weight_buckets(policy, cfg.policy))
+    tracked = LiveBytes(grpo.weight_buckets(policy, cfg))
     start = time.perf_counter()
     engine.refit(tracked)
     refit_s = time.perf_counter() - start
@@ -1701,14 +1752,12 @@ def refit_worker():
     last = batch.input_ids.gather(1, (batch.token_mask.cumsum(1).argmax(1, keepdim=True)))
     stopped = lengths < cfg.policy.generation.max_new_tokens
     eos_ok = bool((last.squeeze(1)[stopped] == tokenizer.eos_token_id).all()) and bool(stopped.any())
-    # the group's requests: identical on its ranks, seeds distinct, and each rank got its own slice back
-    group = [calls] * tp
+    # the group's ranks added the same requests to their engine, seeds distinct, and each rank got its own back
+    group = [added] * tp
     if tp > 1:
-        torch.distributed.all_gather_object(group, calls, group=engine.tp_group)
-    prompts, seeds, outputs = calls[-1]
-    mine = slice(rank % tp * 64, (rank % tp + 1) * 64)
-    own = [batch.input_ids[i, batch.token_mask[i] > 0].tolist() for i in range(64)] == outputs[mine]
-    group_ok = all(c == calls for c in group) and len(set(seeds)) == len(seeds) == 64 * tp and own
+        torch.distributed.all_gather_object(group, added, group=engine.tp_group)
+    own = [batch.input_ids[i, batch.token_mask[i] > 0].tolist() for i in range(64)] == returned[-1]
+    group_ok = all(a == added for a in group) and len({seed for _, _, seed in added[-64 * tp :]}) == 64 * tp and own
     stats = torch.stack([before, stale, after])
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX)
     flags = torch.tensor([float(changed), float(eos_ok), float(group_ok)])
@@ -1871,7 +1920,11 @@ class StopAtAEnv:
         return "go on", float(text.endswith("a")), False
 
 
-MULTITURN = TINY + ["data.dataset_name=letters", "grpo.max_rollout_turns=3", "policy.max_total_sequence_length=256"]
+MULTITURN = TINY + [
+    "env.environment=examples.letters:LettersEnv",
+    "grpo.max_rollout_turns=3",
+    "policy.max_total_sequence_length=256",
+]
 
 
 def multiturn_worker():
@@ -1887,21 +1940,21 @@ def multiturn_worker():
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
     policy = grpo.load_policy(path, cfg, trainable=True)
-    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
-    rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
+    optimizer = grpo.make_optimizer(policy, cfg)
+    rows, _ = grpo.tokenize_prompts(grpo.load_rows("debug", "", cfg.data, 8, 0), tokenizer, cfg)
     batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 1, 0, 64))
     batch.prev_logprobs = logprobs(policy, batch, cfg)
     grpo.train_step(policy, optimizer, batch, cfg, step=1)
     engine.prepare_for_generation(policy, version=1)
     calls = []  # per engine call (one per turn): the (prompt, output) token pairs it saw
-    engine_generate = engine.generate
+    step_until = engine.step_until
 
-    def spy(prompt_ids, seeds, greedy=False, **kwargs):
-        outputs = engine_generate(prompt_ids, seeds, greedy, **kwargs)
-        calls.append({(tuple(p), tuple(ids)) for p, (ids, _, _) in zip(prompt_ids, outputs)})
-        return outputs
+    def spy(requests, *args, **kwargs):
+        out = step_until(requests, *args, **kwargs)
+        calls.append({(tuple(requests[rid][0]), tuple(out[rid][0])) for rid in requests})
+        return out
 
-    engine.generate = spy
+    engine.step_until = spy
     batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 2, 0, 64))
     n_calls = len(calls)
     logprob_error = ((logprobs(policy, batch, cfg) - batch.generation_logprobs).abs() * batch.token_mask).max().item()
@@ -2260,7 +2313,7 @@ def test_export_loads_in_transformers_and_matches_the_policy(one_rank_run, dist_
     cfg = grpo.load_config(TINY)
     path = grpo.resolve_model_path(cfg)
     policy = grpo.load_policy(path, cfg, trainable=True)
-    optimizer = grpo.make_optimizer(policy, cfg.policy.optimizer)
+    optimizer = grpo.make_optimizer(policy, cfg)
     info = grpo.load_checkpoint(str(checkpoint), policy, optimizer, cfg)
     exported = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
     ids = torch.randint(0, 100, (4, 20))
@@ -2284,7 +2337,7 @@ def export_vllm_worker():
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
     policy = grpo.load_policy(path, cfg, trainable=False)
-    rows, _ = grpo.tokenize_prompts(grpo.debug_task(8, seed=0), tokenizer, cfg)
+    rows, _ = grpo.tokenize_prompts(grpo.load_rows("debug", "", cfg.data, 8, 0), tokenizer, cfg)
     batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 1, 0, 64))
     lp = logprobs(policy, batch, cfg)
     print(
@@ -2485,9 +2538,6 @@ def test_multi_turn_two_ranks_match_one_and_resume_exactly(multiturn_run, tmp_pa
         f"multi-turn, 2 ranks vs 1 rank, resumed vs not, max |diff| over steps 1-4: "
         f"{max_diffs(one, two)}, {max_diffs(two, resumed)}"
     )
-
-
-PARTIAL = TINY + ["grpo.partial_rollouts.enabled=true", "grpo.val_period=0", "checkpointing.save_period=2"]
 
 
 def read_carried(path) -> list[dict]:

@@ -34,13 +34,13 @@ model = args[0] if args else "/tmp/grpo-bench/SmolLM2"
 steps = int(args[1]) if len(args) > 1 and args[1].isdigit() else 12
 modes = args[args.index("--modes") + 1 :] if "--modes" in args else ["sync", "partial"]
 extra = [a for a in sys.argv[1:] if "=" in a]
-PARTIAL = "grpo.partial_rollouts"
+PARTIAL = ["grpo.partial_rollouts.enabled=true", "grpo.batch_multiplier=2"]  # 2x in flight, age <= 1 (the default)
 MODES = {
     "sync": [],
-    "partial": [f"{PARTIAL}.enabled=true"],  # the defaults: 2x in flight, age <= 1
-    "partial_3x": [f"{PARTIAL}.enabled=true", f"{PARTIAL}.batch_multiplier=3"],
-    "partial_3x_age2": [f"{PARTIAL}.enabled=true", f"{PARTIAL}.batch_multiplier=3", f"{PARTIAL}.max_trajectory_age_steps=2"],
-    "partial_is": [f"{PARTIAL}.enabled=true", "loss_fn.use_importance_sampling_correction=true"],
+    "partial": PARTIAL,
+    "partial_3x": PARTIAL + ["grpo.batch_multiplier=3"],  # refused: a group lives 2 steps, so 3x would drop groups
+    "partial_3x_age2": PARTIAL + ["grpo.batch_multiplier=3", "grpo.partial_rollouts.max_trajectory_age_steps=2"],
+    "partial_is": PARTIAL + ["loss_fn.use_importance_sampling_correction=true"],
 }
 materialize(model)
 # Asked this, SmolLM2-135M answers in ~30 tokens and now and then runs on to the limit: a long tail. Asked to think
@@ -52,7 +52,7 @@ with open("/tmp/grpo-bench/bench_rewards.py", "w") as f:  # 0.5 for a \boxed{} a
     f.write("def boxed(prompt, completion, answer):\n    return 0.5 if '\\\\boxed{' in completion else 0.0\n")
 common = [
     f"policy.model_name={model}",
-    "data.dataset_name=arithmetic",
+    "data.dataset_name=examples.arithmetic:task",
     f"data.prompt_template={TEMPLATE}",
     "grpo.num_prompts_per_step=4",
     "grpo.num_generations_per_prompt=8",

@@ -1,5 +1,5 @@
 """Times grpo.train_step alone on one rollout-sized batch of the side-by-side work (4 prompts x 8 completions,
-SmolLM2's 48-token chat prompt, completion lengths drawn from 2..64, one rank), for each micro-batching.
+SmolLM2's 48-token chat prompt, completion lengths drawn from 2..64, one rank), for each micro-batch token budget.
 
     python bench/train_step.py /tmp/grpo-bench/SmolLM2 [repeats] [precision]
 """
@@ -16,7 +16,6 @@ import grpo
 model_dir, repeats = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2
 precision = sys.argv[3] if len(sys.argv) > 3 else "bfloat16"
 MICRO_BATCHINGS = {
-    "padded, 8 samples a micro-batch": ["policy.sequence_packing.enabled=false", "policy.train_micro_batch_size=8"],
     **{f"packed {n} tokens": [f"policy.sequence_packing.train_mb_tokens={n}"] for n in (256, 512, 1024, 2048, 5120)},
     "packed, the default budget": []}
 grpo.setup_distributed()
@@ -35,7 +34,7 @@ common = [f"policy.model_name={model_dir}", f"policy.precision={precision}", "gr
           "policy.generation.max_new_tokens=64", "loss_fn.reference_policy_kl_penalty=0"]
 cfg = grpo.load_config(common + ["policy.optimizer.lr=1e-5"])
 model = grpo.load_policy(model_dir, cfg, trainable=True)
-optimizer = grpo.make_optimizer(model, cfg.policy.optimizer)
+optimizer = grpo.make_optimizer(model, cfg)
 print(f"{sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)} tokens, "
       f"{sum(len(s.completion_ids) for s in samples)} of them generated", flush=True)
 times = {name: [] for name in MICRO_BATCHINGS}

@@ -107,11 +107,11 @@ def convert(recipe: dict, path: str) -> tuple[dict, dict]:
 
 
 def section(key: str, left_out: dict, flat: dict) -> str:
-    """The widest section whose keys are all left out as unknown (`section.*`), else the key."""
+    """The widest section whose keys are all left out for the same reason (`section.*`), else the key."""
     parts = key.split(".")
     for n in range(1, len(parts)):
         prefix = ".".join(parts[:n]) + "."
-        if all(left_out.get(k) == "no such knob in grpo.py" for k in flat if k.startswith(prefix)):
+        if all(left_out.get(k) == left_out[key] for k in flat if k.startswith(prefix)):
             return prefix + "*"
     return key
 
@@ -145,8 +145,8 @@ def main(argv: list[str]) -> str:
     flat = grpo.flatten(recipe)
     lines = [f"# grpo.py recipe from the NeMo-RL config {path} (tools/nemo_rl_config.py): each value's NeMo-RL key"]
     lines += emit(tree) + ["# left out:"]
-    for key in dict.fromkeys(section(key, left_out, flat) for key in left_out):
-        lines.append(f"#   {key}: {left_out.get(key, 'no such knobs in grpo.py')}")
+    for shown, why in {section(key, left_out, flat): why for key, why in left_out.items()}.items():
+        lines.append(f"#   {shown}: {why}")
     return "\n".join(lines) + "\n"
 
 
