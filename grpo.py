@@ -1,10 +1,10 @@
 """
 grpo.py: GRPO for LLMs in one file. FSDP2 trains, an in-process vLLM engine generates, on the same devices.
 
-NVIDIA NeMo-RL's GRPO loop (same config names, same step order) without Ray. One step, as `train()` runs it:
-  1. sample `num_prompts_per_step` prompts (each rank its slice); refit: stream the policy's weights into the engine;
+NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses) without Ray. One step (`train`):
+  1. draw `num_prompts_per_step` prompts (each rank its share); refit: stream the policy's weights into the engine;
   2. generate `num_generations_per_prompt` completions per prompt (a group), with their sampling logprobs;
-  3. reward each completion: r_i = reward_fn(prompt, completion, answer);
+  3. reward each completion: r_i = reward_fn(prompt, completion, answer) (or an environment's turns);
   4. advantages: A_i = (r_i - mean of the group's other rewards) / their std (leave-one-out, normalized);
   5. logprobs of the sampled tokens under pi_old (the policy before the update) and pi_ref (if there is a KL term);
   6. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t):
@@ -17,7 +17,9 @@ Run it:
     python grpo.py policy.model_name=tiny-debug                      # the whole loop on a CPU, offline
     python grpo.py --config my.yaml grpo.max_num_steps=100 loss_fn.reference_policy_kl_penalty=0
     python -m pytest -q test_grpo.py                                 # the tests (CPU)
-Knobs: config.yaml. Overrides are `section.key=value` (YAML values); `--config my.yaml` merges a partial file.
+Knobs: config.yaml (section.key=value on the command line, or a partial file with --config). Variants, rewards,
+environments, speed, GPUs: docs/. Left out: Ray and separate generation workers, tensor or pipeline parallelism in
+the trainer (FSDP2 only), Megatron, value models, vision.
 """
 
 from __future__ import annotations
@@ -113,12 +115,8 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
         indices = prompt_indices(run.info["consumed_samples"], sum(new), len(run.train_rows), run.cfg)
         run.info["consumed_samples"] += sum(new)
         for j in range(sum(new[:rank]), sum(new[: rank + 1])):  # seeded by place over all ranks and rounds
-            row, seeds = run.train_rows[indices[j]], [seed_of(g.seed, step, (drawn + j) * n + k) for k in range(n)]
-            env = [run.make_env and run.make_env(row) for _ in seeds]  # one per sample, None without environments
-            samples = [
-                {"seed": x, "ids": [], "logprobs": [], "versions": [], "end": None, "env": e}
-                for x, e in zip(seeds, env)
-            ]
+            seeds = [seed_of(g.seed, step, (drawn + j) * n + k) for k in range(n)]
+            samples = [{"seed": seed, "ids": [], "logprobs": [], "versions": [], "end": None} for seed in seeds]
             run.info["carried"].append({"row": indices[j], "version": version, "samples": samples})
         drawn += sum(new)
         groups = take_groups(run, version, quota)
@@ -161,6 +159,7 @@ def take_groups(run: Run, version: int, quota: int) -> list[list[Sample]]:
     runs to its end and is taken; with them the engine stops once each of its ranks can take `quota` groups without
     leaving one that would miss its age limit (pick_groups), and the rest stay in flight."""
     p, pr, rank, groups = run.cfg.policy, run.cfg.grpo.partial_rollouts, dist.get_rank(), run.info["carried"]
+    stop = getattr(run.make_env, "stop", None)  # an environment's stop strings end each turn, the first too
     deadlines = [pr.max_trajectory_age_steps - (version - group["version"]) for group in groups]
     requests, pending, owner = {}, [], {}  # pending: each group's unfinished request ids; owner: their samples
     for a, group in enumerate(groups):
@@ -169,7 +168,6 @@ def take_groups(run: Run, version: int, quota: int) -> list[list[Sample]]:
         pending.append([f"pr-{rank}-{a}-{k}" for k, s in enumerate(group["samples"]) if s["end"] is None])
         for rid in pending[-1]:
             s = owner[rid] = group["samples"][int(rid.split("-")[3])]
-            stop = getattr(s.get("env"), "stop", None)
             requests[rid] = (prompt_ids + s["ids"], seed_of(s["seed"], len(s["ids"])), stop, limit - len(s["ids"]))
 
     def ready(finished: set, states: list) -> bool:  # every rank of this engine can take its groups
@@ -187,9 +185,7 @@ def take_groups(run: Run, version: int, quota: int) -> list[list[Sample]]:
     first = [s for a in done for s in groups[a]["samples"]]
     results = [(s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for s in first]
     rows, n = [run.train_rows[groups[a]["row"]] for a in done], run.cfg.grpo.num_generations_per_prompt
-    samples = generate_samples(
-        run, rows, [s["seed"] for s in first], n, first_turn=results, envs=[s.get("env") for s in first]
-    )
+    samples = generate_samples(run, rows, [s["seed"] for s in first], n, first_turn=results)
     for sample, s in zip(samples, first):
         sample.versions = s["versions"]
     return [samples[i : i + n] for i in range(0, len(samples), n)]
@@ -204,15 +200,13 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
     return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
 
 
-def generate_samples(
-    run: Run, rows: list, seeds: list, n: int, greedy=False, first_turn=None, envs=None
-) -> list[Sample]:
+def generate_samples(run: Run, rows: list, seeds: list, n: int, greedy=False, first_turn=None) -> list[Sample]:
     """n episodes of each row (a group), turn by turn: the engine generates (the first turn: first_turn's results,
     if given), the environments answer."""
     cfg, tokenizer = run.cfg, run.tokenizer
     rows = [r for r in rows for _ in range(n)]
     samples = [Sample(r["prompt"], r["prompt_ids"]) for r in rows]
-    envs = envs or [run.make_env(r) if run.make_env else None for r in rows]
+    envs = [run.make_env(r) if run.make_env else None for r in rows]
     max_len, max_turns = cfg.policy.max_total_sequence_length, cfg.grpo.max_rollout_turns
     for turn in range(max_turns):
         going = [i for i, s in enumerate(samples) if s.end is None]
@@ -221,7 +215,7 @@ def generate_samples(
         if turn or first_turn is None:  # first_turn: the engine's results for every sample's first turn
             prompts = [samples[i].prompt_ids + samples[i].completion_ids for i in going]
             limits = [min(cfg.policy.generation.max_new_tokens, max_len - samples[i].length()) for i in going]
-            stops = [getattr(envs[i], "stop", None) for i in going]
+            stops = [getattr(run.make_env, "stop", None)] * len(going)
             first_turn = generate(run.engine, prompts, [seed_of(seeds[i], turn) for i in going], greedy, stops, limits)
         results = first_turn
         completion_ids = [ids for ids, _, _ in results]
@@ -271,11 +265,9 @@ def make_batch(samples: list[Sample], cfg: Config, pad_id: int) -> RolloutBatch:
         buffer = g.reward_shaping.overlong_buffer_length
         expected = (g.reward_shaping.max_response_length or cfg.policy.generation.max_new_tokens) - buffer
         rewards += (-(lengths - expected) / buffer * g.reward_shaping.overlong_buffer_penalty).clamp(max=0)
-    n, truncated = g.num_generations_per_prompt, torch.tensor([s.end == "truncated" for s in samples])
+    truncated = torch.tensor([s.end == "truncated" for s in samples])
     scored = torch.tensor([not s.rewards or any(v is not None for v in s.rewards.values()) for s in samples])
-    advantages = compute_advantages(
-        rewards.where(scored, math.nan), n, g.use_leave_one_out_baseline, g.normalize_rewards
-    )
+    advantages = compute_advantages(rewards.where(scored, math.nan), g)
     tensors = (*pack_batch(samples, pad_id), rewards, advantages, truncated)
     return RolloutBatch(*(t.to(device()) for t in tensors), samples)
 
@@ -293,10 +285,15 @@ def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.
     return input_ids, token_mask, generation_logprobs
 
 
-def compute_advantages(rewards: torch.Tensor, n: int, leave_one_out: bool, normalize: bool) -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, grpo: Config) -> torch.Tensor:
     """NeMo-RL's advantages, groups of n: reward - baseline (the mean of the group's other rewards, leave-one-out,
     or of all), divided by the unbiased std of those rewards where it is > 0 (normalize). A NaN reward (nothing
-    scored the sample: TRL's None) counts in no baseline and gets 0, as does a group of one."""
+    scored the sample: TRL's None) counts in no baseline and gets 0, as does a group of one. grpo: cfg.grpo."""
+    n, leave_one_out, normalize = (
+        grpo.num_generations_per_prompt,
+        grpo.use_leave_one_out_baseline,
+        grpo.normalize_rewards,
+    )
     r = rewards.view(-1, n).double()  # [prompts, n]
     scored = ~r.isnan()
     # From deviations from one reward of the group: equal rewards give a std of exactly 0, not a rounding residue.

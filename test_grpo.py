@@ -81,13 +81,20 @@ def nemo_rl_advantages(rewards: list[float], n: int, leave_one_out: bool, normal
     return out
 
 
+def advantages(rewards: torch.Tensor, n: int, leave_one_out: bool, normalize: bool) -> torch.Tensor:
+    cfg = grpo.Config(
+        num_generations_per_prompt=n, use_leave_one_out_baseline=leave_one_out, normalize_rewards=normalize
+    )
+    return grpo.compute_advantages(rewards, cfg)
+
+
 @pytest.mark.parametrize("leave_one_out", [True, False])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_advantages_match_nemo_rl(leave_one_out, normalize):
     g = torch.Generator().manual_seed(0)
     for n in range(1, 17):
         for rewards in (torch.rand(5 * n, generator=g), (torch.rand(5 * n, generator=g) > 0.5).float()):
-            got = grpo.compute_advantages(rewards, n, leave_one_out, normalize)
+            got = advantages(rewards, n, leave_one_out, normalize)
             want = torch.tensor(nemo_rl_advantages(rewards.tolist(), n, leave_one_out, normalize))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # The rewards users produce: partial credit (all but one the same fraction), all equal, two values only. With
@@ -96,18 +103,18 @@ def test_advantages_match_nemo_rl(leave_one_out, normalize):
         for f in (0.1, 0.05, 0.2, 1 / 3, 0.7):
             groups = [[f] * (n - 1) + [1.0], [0.0] + [f] * (n - 1), [f] * n, ([f, 0.3] * n)[:n], ([1.0, f] * n)[:n]]
             rewards = torch.tensor([r for group in groups for r in group])
-            got = grpo.compute_advantages(rewards, n, leave_one_out, normalize)
+            got = advantages(rewards, n, leave_one_out, normalize)
             want = torch.tensor(nemo_rl_advantages(rewards.tolist(), n, leave_one_out, normalize))
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     # by hand: [1, 0, 0, 1], leave-one-out: baseline 1/3 for the 1s (others 0, 0, 1), std of the others sqrt(1/3)
-    adv = grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, leave_one_out=True, normalize=True)
+    adv = advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, True, True)
     torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]) / math.sqrt(1 / 3))
 
 
 def test_partial_credit_group_by_hand():
     # the group of issue 18: the others of the 1.0 are all 0.1 (std 0: unnormalized, 0.9); each 0.1's others are six
     # 0.1 and the 1.0: baseline 1.6 / 7, std sqrt((6 (0.1 - 1.6/7)^2 + (1 - 1.6/7)^2) / 6)
-    adv = grpo.compute_advantages(torch.tensor([0.1] * 7 + [1.0]), 8, leave_one_out=True, normalize=True)
+    adv = advantages(torch.tensor([0.1] * 7 + [1.0]), 8, True, True)
     baseline = 1.6 / 7
     std = math.sqrt((6 * (0.1 - baseline) ** 2 + (1 - baseline) ** 2) / 6)
     torch.testing.assert_close(adv, torch.tensor([(0.1 - baseline) / std] * 7 + [0.9]), rtol=1e-6, atol=1e-6)
@@ -116,10 +123,10 @@ def test_partial_credit_group_by_hand():
 
 def test_mean_baseline_zero_std_and_group_of_one():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])  # group 1 has std 0, group 2 std sqrt(1/2)
-    adv = grpo.compute_advantages(rewards, 2, leave_one_out=False, normalize=True)
+    adv = advantages(rewards, 2, False, True)
     torch.testing.assert_close(adv, torch.tensor([0.0, 0.0, -0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5)]))
     for loo in (True, False):
-        assert grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.5]), 1, loo, True).abs().sum() == 0
+        assert advantages(torch.tensor([1.0, 0.0, 0.5]), 1, loo, True).abs().sum() == 0
 
 
 def loss_cfg(**overrides) -> grpo.Config:
@@ -631,6 +638,17 @@ def test_a_prompt_template_with_a_plain_brace_exits_with_one_line():
     for template in ("no problem here", "{} and {}", "{0}{0}", "{question}", "a } b {}"):
         with pytest.raises(grpo.ConfigError, match="data.prompt_template takes exactly one"):
             grpo.load_config(TINY + [f"data.prompt_template={template}"])
+
+
+def test_readme_step_map_points_at_the_functions():
+    """README maps one GRPO step to grpo.py's functions by line: each link names the def at that line."""
+    lines = open(os.path.join(HERE, "grpo.py")).read().splitlines()
+    links = re.findall(r"\[`([\w.]+)`\]\(grpo\.py#L(\d+)\)", open(os.path.join(HERE, "README.md")).read())
+    assert len(links) >= 15
+    wrong = [
+        (name, n, lines[int(n) - 1]) for name, n in links if f"def {name.split('.')[-1]}(" not in lines[int(n) - 1]
+    ]
+    assert wrong == [], "README's step map is out of date: move its line numbers to the defs"
 
 
 def test_paths_in_readme_docs_and_bench_stay_in_the_repo():
@@ -2601,6 +2619,28 @@ def test_partial_rollouts_two_ranks_in_lockstep_resume_exactly(tmp_path, tp):
     assert diffs["train/reward"] == 0 and diffs["train/loss"] < 1e-6
     assert all(m["train/partial_rollouts/groups_carried"] == 16 for m in metrics)  # 8 per rank
     assert all(m["train/partial_rollouts/resumed_token_share"] > 0 for m in metrics[1:])
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_composes_with_partial_rollouts(tmp_path):
+    """Each round takes the groups pick_groups allows, keeps those whose rewards differ and carries the rest on: every
+    step trains 16 such groups (8 samples of one prompt each), carried groups included, and a resume is exact."""
+    common = PARTIAL + ["grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=20"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for log_dir, steps in ((straight, 4), (resumed, 2), (resumed, 4)):
+        result = run(["grpo.py"] + common + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(straight)
+    diffs = max_diffs(metrics, read_metrics(resumed))
+    print(f"dynamic sampling over partial rollouts, resumed after step 2 vs uninterrupted, max |diff|: {diffs}")
+    assert diffs["train/reward"] == 0 and diffs["train/loss"] < 1e-6
+    for step in range(1, 5):
+        samples = [json.loads(line) for line in open(straight / f"train_data_step{step}.jsonl")]
+        groups = [samples[i : i + 8] for i in range(0, 128, 8)]
+        assert len(samples) == 128 and all(len({s["prompt"] for s in g}) == 1 for g in groups)
+        assert all(len({s["reward"] for s in g}) > 1 for g in groups)  # dynamic sampling kept them
+    assert all(m["train/partial_rollouts/groups_carried"] > 0 for m in metrics)
+    assert max(m["train/partial_rollouts/token_age_max"] for m in metrics) == 1
 
 
 @pytest.mark.slow

@@ -6,8 +6,8 @@ An environment is a plain class, one instance per sample (it must pickle: it ste
   __init__(row)   start an episode from a data row ({"prompt", "answer", ...});
   step(text)      the assistant's text of one turn -> (observation, reward, done): the text shown to the model next
                   (None: nothing), this turn's reward, and whether the episode is over;
-  stop, role      optional: stop strings that end each turn (kept in the output) and the chat role of the
-                  observations ("user" when absent).
+  stop, role      optional class attributes: stop strings that end each turn, the first included (kept in the
+                  output), and the chat role of the observations ("user" when absent).
 A sample's reward is the sum of its turns'. An exception, a non-finite reward or a step past env.reward_timeout_s
 ends the sample's episode with reward 0 and a warning, never the run.
 """
