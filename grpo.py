@@ -466,7 +466,7 @@ def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: 
     p = cfg.policy
     size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
     # Unset: a micro-batch of full-length samples on CUDA; on CPU, where attention over the packed row's dense mask
-    # costs most, 512 tokens (the fastest budget measured on SmolLM2, README).
+    # costs most, 512 tokens (the fastest budget measured on SmolLM2, docs/speed.md).
     default = size * p.max_total_sequence_length if torch.cuda.is_available() else 512
     budget = p.sequence_packing[f"{kind}_mb_tokens"] or default
     lengths = sample_lengths(token_mask[rows])
@@ -614,7 +614,7 @@ class VllmEngine:
         vcfg = cfg.policy.generation.vllm_cfg
         # vLLM's warnings that are by design here: at every refit, that rotary buffers and a tied head get no tensors
         # (an untied head that gets none holds garbage: that one stays); unless VLLM_LOGGING_LEVEL is set, notes a
-        # user cannot act on (no Triton on CPU, our chunked-prefill and enforce_eager choices, LD_PRELOAD: README).
+        # user cannot act on (no Triton on CPU, our chunked-prefill and enforce_eager choices; LD_PRELOAD: docs/).
         tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
         by_design = ["RotaryEmbedding: Failed to load weights"] + ["ParallelLMHead: Failed"] * tied
         if "VLLM_LOGGING_LEVEL" not in os.environ:

@@ -41,6 +41,16 @@ def run(args: list[str], ranks: int = 0, timeout: int = 600) -> subprocess.Compl
     return subprocess.run(prefix + args, cwd=HERE, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def run_together(commands: dict[str, list[str]], env: dict) -> dict[str, subprocess.CompletedProcess]:
+    """Each command under python from the repo root, all at once (each is mostly its interpreter's imports)."""
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = {
+        name: subprocess.Popen([sys.executable] + args, cwd=HERE, env=env, **pipes) for name, args in commands.items()
+    }
+    results = {name: p.communicate(timeout=600) for name, p in procs.items()}
+    return {name: subprocess.CompletedProcess(p.args, p.returncode, *results[name]) for name, p in procs.items()}
+
+
 def clean_env() -> dict:
     return {
         k: v
@@ -81,11 +91,13 @@ def nemo_rl_advantages(rewards: list[float], n: int, leave_one_out: bool, normal
     return out
 
 
-def advantages(rewards: torch.Tensor, n: int, leave_one_out: bool, normalize: bool) -> torch.Tensor:
-    cfg = grpo.Config(
-        num_generations_per_prompt=n, use_leave_one_out_baseline=leave_one_out, normalize_rewards=normalize
-    )
-    return grpo.compute_advantages(rewards, cfg)
+GRPO_DEFAULTS = grpo.load_config([]).grpo
+
+
+def advantages(rewards: torch.Tensor, n: int, leave_one_out: bool, normalize: bool, **knobs) -> torch.Tensor:
+    """grpo.compute_advantages with config.yaml's grpo section, these knobs changed."""
+    knobs.update(num_generations_per_prompt=n, use_leave_one_out_baseline=leave_one_out, normalize_rewards=normalize)
+    return grpo.compute_advantages(rewards, grpo.Config(GRPO_DEFAULTS, **knobs))
 
 
 @pytest.mark.parametrize("leave_one_out", [True, False])
@@ -136,7 +148,7 @@ def loss_cfg(**overrides) -> grpo.Config:
     return cfg
 
 
-def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=None, engine_ratios=None):
+def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=None, engine_ratios=None, entropy=None):
     ratios = torch.tensor([ratios])
     logprobs = torch.log(ratios)
     prev = torch.zeros_like(logprobs)
@@ -147,7 +159,7 @@ def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=No
     # one sample per token so that each token can carry its own advantage
     return grpo.clipped_pg_loss(
         logprobs.T,
-        torch.zeros_like(logprobs.T),
+        torch.zeros_like(logprobs.T) if entropy is None else torch.tensor([entropy]).T,
         prev.T,
         gen.T,
         torch.tensor(advantages),
@@ -627,9 +639,38 @@ def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, mult
     assert 0.05 < rate < 0.2  # 10% of the samples run to the limit
 
 
-def test_a_prompt_template_with_a_plain_brace_exits_with_one_line():
+@pytest.fixture(scope="module")
+def one_line_errors(tmp_path_factory) -> tuple:
+    """Commands that must stop with one config error line and exit code 2, run together; and their directory."""
+    tmp = tmp_path_factory.mktemp("one_line_errors")
+    grpo.build_tiny_debug(str(tmp / "tied"))
+    config = json.loads((tmp / "tied" / "config.json").read_text())
+    (tmp / "tied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    log, lora = f"logger.log_dir={tmp}", ["policy.lora.enabled=true"]
+    commands = {
+        "template": TINY + ["data.prompt_template={} Reply with just the answer inside \\boxed{}."],
+        "no_config_file": ["--config", "/nonexistent.yaml"],
+        "no_data_file": TINY + [f"data.dataset_name={tmp}/nope.jsonl", log],
+        "tied_head": [f"policy.model_name={tmp}/tied", "policy.lora.target_modules=[lm_head]", log] + lora,
+        "no_lora_target": TINY
+        + lora
+        + ["policy.lora.match_all_linear=false", "policy.lora.target_modules=[qproj, v_proj]"],
+        "no_hub_model": TINY + ["policy.model_name=nobody/no-such-model", log],
+        "no_model_dir": TINY + [f"policy.model_name={tmp}/nope", log],
+        "no_hub_dataset": TINY + ["data.dataset_name=nobody/no-such-dataset", log],
+    }
+    env = {**clean_env(), "HF_HUB_OFFLINE": "1"}
+    return run_together({name: ["grpo.py"] + args for name, args in commands.items()}, env), tmp
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    return result.stderr.strip()
+
+
+def test_a_prompt_template_with_a_plain_brace_exits_with_one_line(one_line_errors):
     """`\\boxed{}` as people write it: one line naming the key and saying how to write it, exit 2, no traceback."""
-    result = run(["grpo.py"] + TINY + ["data.prompt_template={} Reply with just the answer inside \\boxed{}."])
+    result = one_line_errors[0]["template"]
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "config error: data.prompt_template takes exactly one {} (the problem); write literal braces doubled: {{}}"
     ]
@@ -648,7 +689,7 @@ def test_readme_step_map_points_at_the_functions():
     wrong = [
         (name, n, lines[int(n) - 1]) for name, n in links if f"def {name.split('.')[-1]}(" not in lines[int(n) - 1]
     ]
-    assert wrong == [], "README's step map is out of date: move its line numbers to the defs"
+    assert wrong == [], "README's step map is out of date: python test_grpo.py step_map rewrites its line numbers"
 
 
 def test_paths_in_readme_docs_and_bench_stay_in_the_repo():
@@ -860,15 +901,15 @@ def test_a_converted_nemo_rl_config_runs(tmp_path):
     assert max(len(s["turns"][0]["text"]) for s in samples) > 16  # past the preset's max_new_tokens: to the length
 
 
-def test_a_model_or_dataset_that_cannot_load_exits_with_one_line(tmp_path):
-    env = {**clean_env(), "HF_HUB_OFFLINE": "1"}
-    cases = [("policy.model_name", "nobody/no-such-model"), ("policy.model_name", f"{tmp_path}/nope")]
-    for key, value in cases + [("data.dataset_name", "nobody/no-such-dataset")]:
-        command = [sys.executable, "grpo.py"] + TINY + [f"{key}={value}", f"logger.log_dir={tmp_path}"]
-        result = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 2
-        assert result.stderr.strip().startswith(f"config error: {key}: cannot load '{value}'"), result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+def test_a_model_or_dataset_that_cannot_load_exits_with_one_line(one_line_errors):
+    results, tmp = one_line_errors
+    cases = {"no_hub_model": ("policy.model_name", "nobody/no-such-model")}
+    cases.update(
+        no_model_dir=("policy.model_name", f"{tmp}/nope"),
+        no_hub_dataset=("data.dataset_name", "nobody/no-such-dataset"),
+    )
+    for name, (key, value) in cases.items():
+        assert one_line(results[name]).startswith(f"config error: {key}: cannot load '{value}'")
 
 
 def test_bad_key_exits_fast_with_one_line():
@@ -880,34 +921,23 @@ def test_bad_key_exits_fast_with_one_line():
         "config error: unknown config key 'grpo.num_prompts_per_stp' (did you mean 'num_prompts_per_step'?)"
     )
     assert elapsed < 10
-    result = run(["grpo.py", "--config", "/nonexistent.yaml"])
-    assert result.returncode == 2 and "config file not found: /nonexistent.yaml" in result.stderr
 
 
-def test_lora_on_a_tied_head_exits_with_one_line(tmp_path):
-    path = str(tmp_path / "tied")
-    grpo.build_tiny_debug(path)
-    config = json.loads((tmp_path / "tied" / "config.json").read_text())
-    (tmp_path / "tied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    result = run(
-        [
-            "grpo.py",
-            f"policy.model_name={path}",
-            "policy.lora.enabled=true",
-            "policy.lora.target_modules=[lm_head]",
-            f"logger.log_dir={tmp_path}",
-        ]
-    )
-    assert result.returncode == 2
-    assert "config error: policy.lora.target_modules: this model's lm_head is tied" in result.stderr
+def test_a_missing_config_or_data_file_exits_with_one_line(one_line_errors):
+    results, tmp = one_line_errors
+    assert one_line(results["no_config_file"]) == "config error: config file not found: /nonexistent.yaml"
+    assert one_line(results["no_data_file"]) == f"config error: data: file not found: {tmp}/nope.jsonl"
 
 
-def test_lora_targets_that_match_nothing_exit_with_one_line(tmp_path):
-    lora = ["policy.lora.enabled=true", "policy.lora.match_all_linear=false", f"logger.log_dir={tmp_path}"]
-    result = run(["grpo.py"] + TINY + lora + ["policy.lora.target_modules=[qproj, v_proj]", "grpo.max_num_steps=1"])
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
-    assert "config error: policy.lora.target_modules: ['qproj'] name no linear layer" in result.stderr
-    assert "q_proj" in result.stderr and "lm_head" in result.stderr  # the names it has
+def test_lora_on_a_tied_head_exits_with_one_line(one_line_errors):
+    line = one_line(one_line_errors[0]["tied_head"])
+    assert line.startswith("config error: policy.lora.target_modules: this model's lm_head is tied")
+
+
+def test_lora_targets_that_match_nothing_exit_with_one_line(one_line_errors):
+    line = one_line(one_line_errors[0]["no_lora_target"])
+    assert line.startswith("config error: policy.lora.target_modules: ['qproj'] name no linear layer")
+    assert "q_proj" in line and "lm_head" in line  # the names it has
 
 
 def nemo_rl_recipes(root, parent: str, child: str) -> str:
@@ -958,12 +988,6 @@ def test_reward_fn_from_config():
         grpo.load_config(TINY + ["env.reward_fn=grpo"])
     with pytest.raises(grpo.ConfigError, match="env.reward_weights must be one number per env.reward_fn"):
         grpo.load_config(TINY + ["env.reward_fn=grpo:debug_reward", "env.reward_weights=[1, 2]"])
-
-
-def test_missing_data_file_exits_with_one_line(tmp_path):
-    result = run(["grpo.py"] + TINY + [f"data.dataset_name={tmp_path}/nope.jsonl", f"logger.log_dir={tmp_path}"])
-    assert result.returncode == 2
-    assert f"config error: data: file not found: {tmp_path}/nope.jsonl" in result.stderr
 
 
 def test_jsonl_dataset_missing_field(tmp_path):
@@ -2743,6 +2767,20 @@ def test_hf_backend_end_to_end(tmp_path):
     assert metrics[-1]["validation/pass@4"] == pytest.approx(rewards.max(1).values.mean().item())
     assert metrics[-1]["validation/accuracy"] == pytest.approx(rewards.mean().item())
     assert metrics[-1]["validation/pass@4"] > metrics[-1]["validation/accuracy"]
+
+
+def step_map():
+    """`python test_grpo.py step_map`: README's step map links, [`name`](grpo.py#L<line>), to each def's line now."""
+    lines = open(os.path.join(HERE, "grpo.py")).read().splitlines()
+
+    def line(match: re.Match) -> str:
+        owner, _, name = match.group(1).rpartition(".")
+        start = next(i for i, text in enumerate(lines) if text.startswith(f"class {owner}")) if owner else 0
+        number = next(i for i in range(start, len(lines)) if re.match(rf"\s*def {name}\(", lines[i])) + 1
+        return f"[`{match.group(1)}`](grpo.py#L{number})"
+
+    readme = pathlib.Path(HERE, "README.md")
+    readme.write_text(re.sub(r"\[`([\w.]+)`\]\(grpo\.py#L\d+\)", line, readme.read_text()))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The padded machine floor of the side-by-side work (README, "Speed, precision and micro-batches"): what one step
+"""The padded machine floor of the side-by-side work (docs/speed.md): what one step
 costs with no trainer around it. vLLM generates 4 prompts x 8 samples (<= 64 new tokens, temperature 1, the engine
 settings grpo.py uses), then one plain transformers forward/backward runs over those 32 samples padded to the
 longest, the LM head on completion positions only, at the same precision (bfloat16: autocast over fp32 weights).
