@@ -636,8 +636,6 @@ class VllmEngine:
         # All ranks create every group (a collective); each keeps its own. Groups are consecutive ranks, as vLLM's.
         tp = vcfg.tensor_parallel_size
         self.tp_group = dist.new_subgroups(tp)[0] if tp > 1 else None
-        # CPU: never split a prompt over scheduler steps; that rewinds its seeded generator, which CPU can't do.
-        cpu = {"enable_chunked_prefill": False}
         self.llm = LLM(
             model=path,
             dtype=cfg.policy.precision,
@@ -649,9 +647,9 @@ class VllmEngine:
             enforce_eager=vcfg.enforce_eager,
             enable_prefix_caching=True,
             enable_sleep_mode=self.sleeps,
+            enable_chunked_prefill=self.sleeps,  # CPU: a prompt split over steps rewinds its seeded generator: no
             logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
             use_tqdm_on_load=False,
-            **({} if self.sleeps else cpu),
             **self.gen.vllm_kwargs,
         )
         self.repack_tied_head = tied and not self.sleeps
