@@ -289,11 +289,7 @@ def compute_advantages(rewards: torch.Tensor, grpo: Config) -> torch.Tensor:
     """NeMo-RL's advantages, groups of n: reward - baseline (the mean of the group's other rewards, leave-one-out,
     or of all), divided by the unbiased std of those rewards where it is > 0 (normalize). A NaN reward (nothing
     scored the sample: TRL's None) counts in no baseline and gets 0, as does a group of one. grpo: cfg.grpo."""
-    n, leave_one_out, normalize = (
-        grpo.num_generations_per_prompt,
-        grpo.use_leave_one_out_baseline,
-        grpo.normalize_rewards,
-    )
+    n, leave_one_out = grpo.num_generations_per_prompt, grpo.use_leave_one_out_baseline
     r = rewards.view(-1, n).double()  # [prompts, n]
     scored = ~r.isnan()
     # From deviations from one reward of the group: equal rewards give a std of exactly 0, not a rounding residue.
@@ -303,7 +299,7 @@ def compute_advantages(rewards: torch.Tensor, grpo: Config) -> torch.Tensor:
     mean = (others * deviations[:, None, :]).sum(-1) / count.clamp(min=1)
     squares = (others * (deviations[:, None, :] - mean[..., None]).square()).sum(-1)
     std = (squares / (count - 1).clamp(min=1)).sqrt() * (count > 1)
-    advantages = torch.where(normalize & (std > 0), (deviations - mean) / std, deviations - mean)
+    advantages = torch.where(grpo.normalize_rewards & (std > 0), (deviations - mean) / std, deviations - mean)
     return torch.where(scored, advantages, 0.0).view(-1).to(rewards.dtype)
 
 

@@ -44,7 +44,7 @@ def read(path: str) -> dict:
         sys.exit(f"error: config file not found: {path}")
     with open(path) as f:
         recipe = yaml.safe_load(f) or {}
-    parents = recipe.pop("defaults", [])
+    parents = recipe.pop("defaults", None) or []
     paths = [os.path.join(os.path.dirname(path), p) for p in ([parents] if isinstance(parents, str) else parents)]
     return functools.reduce(merge, [read(p) for p in paths] + [recipe])
 
