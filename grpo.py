@@ -1969,6 +1969,9 @@ def setup(cfg: Config) -> Run:
     except ConfigError as e:
         print0(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    if resume_from and read_yaml(os.path.join(resume_from, "training_info.json"))["step"] >= g.max_num_steps:
+        print0(f"{resume_from}: grpo.max_num_steps={g.max_num_steps} is reached, nothing to do")  # before models load
+        sys.exit(0)
     modules = [getattr(fn, "func", fn).__module__ for fn, _ in reward_fns] + [getattr(make_env, "__module__", __name__)]
     runner = Runner(cfg.env.reward_timeout_s, modules)
     run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, Logger(cfg))
@@ -1987,8 +1990,7 @@ def setup(cfg: Config) -> Run:
     run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
         run.info = load_checkpoint(resume_from, run.policy, run.optimizer, cfg)
-        done = f": grpo.max_num_steps={g.max_num_steps} is reached" if run.info["step"] >= g.max_num_steps else ""
-        print0(f"resumed from {resume_from} (step {run.info['step']}){done}")
+        print0(f"resumed from {resume_from} (step {run.info['step']})")
     print0(
         f"model {cfg.policy.model_name}, {dist.get_world_size()} rank(s) on {device().type}, backend "
         f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
@@ -2011,9 +2013,6 @@ def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
         batch.prev_logprobs = batched_logprobs(run.policy, batch.input_ids, batch.token_mask, cfg)
 
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12}  # for MFU
-
-
 def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict, stop_requested: float) -> bool:
     """Throughput per device, log, print, count non-finite steps; True when the run stops here."""
     g, world = run.cfg.grpo, dist.get_world_size()
@@ -2022,11 +2021,6 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     metrics["train/mean_gen_tokens"] = completions / n
     metrics["perf/generated_tokens_per_s"] = metrics["train/generated_tokens"] / world / times["generation"]
     metrics["perf/trained_tokens_per_s"] = trained / world / times["policy_training"]
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in gpu), None)
-    if peak:  # 6 flops per trained weight and token; a frozen one (LoRA's base) gets no weight gradient: 4
-        flops = sum((6 if p.requires_grad else 4) * p.numel() for p in run.policy.parameters())
-        metrics["perf/mfu"] = flops * metrics["perf/trained_tokens_per_s"] / peak
     metrics.update({**run.engine.metrics, **{f"timing/train/{k}": v for k, v in times.items()}})
     run.engine.metrics.clear()
     columns = (batch.rewards, batch.advantages, batch.generation_logprobs, batch.prev_logprobs, batch.token_mask > 0)

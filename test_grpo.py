@@ -2239,6 +2239,10 @@ def test_resume_is_exact_one_rank(one_rank_run, tmp_path):
     print(f"1 rank, resumed after step 3 vs uninterrupted, max |diff| over steps 1-6: {diffs}")
     assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
     start = time.perf_counter()
+    result = run(["grpo.py"] + common + ["grpo.max_num_steps=6"])  # a finished job started again: no model loads
+    assert result.returncode == 0 and "is reached, nothing to do" in result.stdout
+    assert time.perf_counter() - start < 20 and "warming up" not in result.stdout
+    start = time.perf_counter()
     result = run(["grpo.py"] + common + ["grpo.max_num_steps=9", "grpo.seed=7"])
     assert result.returncode == 2 and time.perf_counter() - start < 20
     assert "different grpo.seed: 42 -> 7" in result.stderr and "allow_config_change" in result.stderr
