@@ -2784,7 +2784,9 @@ def step_map():
         return f"[`{match.group(1)}`](grpo.py#L{number})"
 
     readme = pathlib.Path(HERE, "README.md")
-    readme.write_text(re.sub(r"\[`([\w.]+)`\]\(grpo\.py#L\d+\)", line, readme.read_text()))
+    text, moved = re.subn(r"\[`([\w.]+)`\]\(grpo\.py#L\d+\)", line, readme.read_text())
+    print(f"README.md: {moved} step map links; {'rewritten' if text != readme.read_text() else 'already right'}")
+    readme.write_text(text)
 
 
 if __name__ == "__main__":
