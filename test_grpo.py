@@ -903,11 +903,11 @@ def test_a_converted_nemo_rl_config_runs(tmp_path):
 
 def test_a_model_or_dataset_that_cannot_load_exits_with_one_line(one_line_errors):
     results, tmp = one_line_errors
-    cases = {"no_hub_model": ("policy.model_name", "nobody/no-such-model")}
-    cases.update(
-        no_model_dir=("policy.model_name", f"{tmp}/nope"),
-        no_hub_dataset=("data.dataset_name", "nobody/no-such-dataset"),
-    )
+    cases = {
+        "no_hub_model": ("policy.model_name", "nobody/no-such-model"),
+        "no_model_dir": ("policy.model_name", f"{tmp}/nope"),
+        "no_hub_dataset": ("data.dataset_name", "nobody/no-such-dataset"),
+    }
     for name, (key, value) in cases.items():
         assert one_line(results[name]).startswith(f"config error: {key}: cannot load '{value}'")
 
@@ -2578,8 +2578,8 @@ def test_multi_turn_learns(multiturn_run):
 
 @pytest.mark.slow
 def test_multi_turn_two_ranks_match_one_and_resume_exactly(multiturn_run, tmp_path):
-    """Turns in lockstep over ranks, a seed per sample and turn: 2 ranks reproduce 1 rank, and a 2-rank run stopped
-    after step 2 and resumed reproduces the uninterrupted one."""
+    """Turns in lockstep over ranks, a seed per sample and turn: 2 ranks reproduce 1 rank, and a 2-rank run resumed
+    from the uninterrupted one's step 2 reproduces its steps 3-4."""
     two, resumed = tmp_path / "two", tmp_path / "resumed"
     common = MULTITURN + ["grpo.val_period=0", "checkpointing.save_period=2"]
     for log_dir in then_resumed(two, 2, resumed):
@@ -2794,8 +2794,9 @@ def step_map():
         return f"[`{match.group(1)}`](grpo.py#L{number})"
 
     readme = pathlib.Path(HERE, "README.md")
-    text, moved = re.subn(r"\[`([\w.]+)`\]\(grpo\.py#L\d+\)", line, readme.read_text())
-    print(f"README.md: {moved} step map links; {'rewritten' if text != readme.read_text() else 'already right'}")
+    before = readme.read_text()
+    text, links = re.subn(r"\[`([\w.]+)`\]\(grpo\.py#L\d+\)", line, before)
+    print(f"README.md: {links} step map links; {'rewritten' if text != before else 'already right'}")
     readme.write_text(text)
 
 
