@@ -24,9 +24,9 @@ the trainer (FSDP2 only), Megatron, value models, vision.
 
 from __future__ import annotations
 
-import asyncio, contextlib, difflib, functools, gc, importlib, inspect, itertools, json, logging, math
-import multiprocessing, numbers, os, pathlib, re, shutil, signal, socket, sys, tempfile, threading, time
-import traceback, warnings
+import asyncio, atexit, contextlib, ctypes, difflib, functools, gc, importlib, inspect, itertools, json, logging
+import math, multiprocessing, multiprocessing.connection, numbers, os, pathlib, re, shutil, signal, socket, sys
+import tempfile, threading, time, traceback, warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -67,6 +67,7 @@ class Sample:
     metrics: dict = field(default_factory=dict)  # TRL-style functions' log_metric: {name: value} of their calls
     extra: dict = field(default_factory=dict)  # and their log_extra: {column: this sample's value}
     versions: list[int] = field(default_factory=list)  # first turn: the weight version (trained steps) of each token
+    errors: dict = field(default_factory=dict)  # {reward function or environment: why it failed}, scored 0
 
     def extend(self, ids: list[int], logprobs: list[float], trained: int) -> None:
         self.completion_ids += ids
@@ -222,11 +223,13 @@ def generate_samples(run: Run, rows: list, seeds: list, n: int, greedy=False, fi
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         if run.make_env is None:  # one turn, scored by the reward functions
             rewards = score(run, [rows[i] for i in going], [samples[i] for i in going], texts, completion_ids)
-            stepped = [(None, None, reward, True) for reward in rewards]
+            stepped = [(None, None, reward, True, None) for reward in rewards]
         else:
             stepped = step_envs(run.runner, [envs[i] for i in going], texts)
-        for i, (ids, logprobs, cut), text, (env, observation, reward, done) in zip(going, results, texts, stepped):
+        for i, (ids, logprobs, cut), text, (env, observation, reward, done, why) in zip(going, results, texts, stepped):
             s, envs[i] = samples[i], env
+            if why:
+                s.errors[f"{type(env).__qualname__}.step"] = why
             s.extend(ids, logprobs.tolist(), trained=1)
             s.reward += reward
             s.turns.append({"role": "assistant", "text": text})
@@ -1095,6 +1098,7 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
             why = why or (None if value is None else not_finite(value))
             if why:
                 errors.append(f"{name} {why}")
+                sample.errors[name] = why
             sample.rewards[name] = 0.0 if why else None if value is None else float(value)
             totals[i] += weight * (sample.rewards[name] or 0.0)
     warn_failures(errors, len(rows) * len(run.reward_fns))
@@ -1137,56 +1141,100 @@ def env_step(env, text: str) -> tuple:
 
 
 def step_envs(runner: Runner, envs: list, texts: list[str]) -> list[tuple]:
-    """Each environment's step on its text -> (env, observation, reward, done); a failure ends its episode at 0."""
+    """Each environment's step on its text -> (env, observation, reward, done, why it failed): a failure ends at 0."""
     stepped, errors = [], []
     for env, (result, why) in zip(envs, runner([(env_step, (env, text), {}) for env, text in zip(envs, texts)])):
         why = why or not_finite(result[2])
         if why:
             errors.append(f"{type(env).__qualname__}.step {why}")
-        stepped.append((env, None, 0.0, True) if why else (result[0], result[1], float(result[2]), bool(result[3])))
+        stepped.append((env, None, 0.0, True, why) if why else (*result[:2], float(result[2]), bool(result[3]), None))
     warn_failures(errors, len(envs))
+
     return stepped
 
 
-def safe_call(fn: Callable, args: tuple, kwargs: dict, timeout_s: Optional[float] = None) -> tuple:
-    """fn(*args, **kwargs) -> (result, None), or (None, why) when it raises: a user's bug never ends a run. A worker
-    past timeout_s (+ 1 s) ends itself, by SIGALRM's default action (even one stuck in C); the pool replaces it."""
-    signal.alarm(math.ceil(timeout_s) + 1 if timeout_s else 0)
+def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    """fn(*args, **kwargs) -> (result, None), or (None, why) when it raises: a user's bug never ends a run."""
     try:
         return fn(*args, **kwargs), None
     except Exception as e:
         return None, f"raised {type(e).__name__}: {e}"
-    finally:
-        signal.alarm(0)
+
+
+def serve(conn) -> None:
+    """A worker: calls in, (result, why) out, until the run closes its end; killed with the forkserver (Linux)."""
+    if sys.platform == "linux":  # prctl(PR_SET_PDEATHSIG, SIGKILL): a hung call never outlives the run
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    conn.send("ready")
+    with contextlib.suppress(EOFError):
+        while True:
+            conn.send(safe_call(*conn.recv()))
 
 
 class Runner:
-    """Runs rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)], with a time limit in workers."""
+    """Runs rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)]: in this process, or, with a time
+    limit, in worker processes, one call each at a time; one past its limit or dead is replaced. The workers ignore
+    SIGINT and SIGTERM, which a stop reaches every process of a job with: they finish the step's calls."""
 
     def __init__(self, timeout_s: Optional[float], modules: list[str] = ()):
-        self.timeout_s, self.pool = timeout_s, None
-        self.timed_out = f"gave no result within env.reward_timeout_s={timeout_s}"
-        self.workers = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        self.timeout_s, self.workers = timeout_s, []
         if timeout_s:
             # forkserver: workers are never forked from this process, with its engine and collective threads. The
             # server, started now, imports grpo and the rewards' modules first: no call spends its time importing.
-            # It and its workers ignore SIGINT (a Ctrl-C reaches the whole process group, and is the rank's); SIGTERM
-            # ends them: Pool.terminate() and the interpreter's exit stop workers with it (ignored, both could hang).
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(sorted({__name__, *modules}))
-            handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            self.pool = context.Pool(self.workers)
-            self.pool.apply(abs, (0,))
-            signal.signal(signal.SIGINT, handler)
+            # The signals ignored here stay ignored in it, and in each worker it forks.
+            self.context = multiprocessing.get_context("forkserver")
+            self.context.set_forkserver_preload(sorted({__name__, *modules}))
+            handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+            cores = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            self.workers = [self.start() for _ in range(max(1, min(8, cores)))]
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+            atexit.register(self.close)  # before multiprocessing's own exit, which would SIGTERM and wait for them
+
+    def start(self) -> tuple:
+        here, there = self.context.Pipe()
+        worker = self.context.Process(target=serve, args=(there,), daemon=True)
+        worker.start()
+        there.close()
+        here.recv()  # once the server has imported the modules (the first worker waits for that)
+        return worker, here
 
     def __call__(self, calls: list[tuple]) -> list[tuple]:
         if not self.timeout_s:
             return [safe_call(*call) for call in calls]
-        futures = [self.pool.apply_async(safe_call, (*call, self.timeout_s)) for call in calls]
-        started = time.monotonic()
-        for i, f in enumerate(futures):  # idle workers, calls that end within their limit (+ 1 s): i starts by then
-            f.wait(max(0.0, started + (self.timeout_s + 1) * (i // self.workers + 1) - time.monotonic()))
-        return [f.get() if f.ready() else (None, self.timed_out) for f in futures]
+        results, todo, busy = [None] * len(calls), list(range(len(calls)))[::-1], {}  # busy: {worker: (call, deadline)}
+        while todo or busy:
+            for w in range(len(self.workers)):
+                if w not in busy and todo:
+                    if not self.workers[w][0].is_alive():  # killed while idle (from outside): not the call's doing
+                        self.workers[w] = self.start()
+                    busy[w] = todo.pop(), time.monotonic() + self.timeout_s
+                    with contextlib.suppress(ConnectionError):  # it died since: its end reads EOF below
+                        self.workers[w][1].send(calls[busy[w][0]])
+
+            soonest = min(deadline for _, deadline in busy.values())
+            ready = multiprocessing.connection.wait([self.workers[w][1] for w in busy], soonest - time.monotonic())
+            for w, (i, deadline) in list(busy.items()):
+                worker, conn = self.workers[w]
+                if conn in ready:
+                    with contextlib.suppress(EOFError, ConnectionError):  # it ended its worker (os._exit, a crash)
+                        results[i] = conn.recv()
+                elif time.monotonic() < deadline:
+                    continue
+                del busy[w]
+                if results[i] is None:  # past its limit, or its worker died: a new worker takes its place
+                    worker.kill()
+                    worker.join()
+                    late = f"gave no result within env.reward_timeout_s={self.timeout_s}"
+                    results[i] = None, f"ended its worker (exit code {worker.exitcode})" if conn in ready else late
+                    self.workers[w] = self.start()
+        return results
+
+    def close(self) -> None:
+        for worker, _ in self.workers:
+            worker.kill()
+            worker.join()
+        self.workers = []
 
 
 def json_row(line: str, path: str, number: int) -> dict:
@@ -1523,6 +1571,7 @@ def record(s: Sample, **extra) -> dict:
         "end": s.end,
         "env_tokens": s.trained.count(0),
         "rewards": s.rewards,
+        "errors": s.errors,
         "metrics": s.metrics,
         "extra": s.extra,
         **extra,
@@ -1837,12 +1886,14 @@ STOP = threading.Event()  # set by SIGTERM/SIGINT once the loop runs
 
 
 def request_stop(signum, frame) -> None:
-    """SIGTERM/SIGINT (preemption, Ctrl-C): the loop finishes its step, saves and exits 0. A second acts at once."""
+    """SIGTERM/SIGINT (preemption, Ctrl-C): the loop finishes its step, saves and exits 0. A second Ctrl-C acts at
+    once; SIGTERM again changes nothing (Slurm signals every process of a job, and torchrun passes it on too)."""
+    if not STOP.is_set():
+        name = signal.Signals(signum).name
+        print(f"rank {dist.get_rank()}: {name}: finishing this step, then saving and exiting", file=sys.stderr)
     STOP.set()
-    name = signal.Signals(signum).name
-    print(f"rank {dist.get_rank()}: {name}: finishing this step, then saving and exiting", file=sys.stderr)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signum == signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def print0(*args, **kwargs):
@@ -1893,7 +1944,7 @@ class Run:
     reference: Any = None  # frozen initial policy for the KL term; None without one
     optimizer: Optional[torch.optim.AdamW] = None
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
-    nonfinite_steps: int = 0  # steps in a row whose updates were all skipped as non-finite
+    failing: dict = field(default_factory=dict)  # {"updates" (non-finite), or a reward function: steps in a row}
 
 
 def train(cfg: Config) -> None:
@@ -1918,13 +1969,15 @@ def train(cfg: Config) -> None:
             if (g.val_period > 0 and step % g.val_period == 0) or (last and g.val_at_end):
                 with timed(times, "validation"):
                     val = validate(run, step)
-            (stop_requested,) = all_reduce([STOP.is_set()])  # a signal may reach one rank only
-            if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop_requested):
-                with timed(times, "checkpointing"):
-                    export = (last and not stop_requested) or ckpt.export_hf_every_save
-                    path = save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer, export)
-                print0(f"saved {path}")
-        if end_of_step(run, step, batch, {**train_metrics, **rollout_metrics, **val}, times, stop_requested):
+        end_of_step(run, step, batch, {**train_metrics, **rollout_metrics, **val}, times)
+        (stop,) = all_reduce([STOP.is_set()])  # a signal to one rank or to all, in any phase of the step
+        if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop):
+            start, export = time.perf_counter(), (last and not stop) or ckpt.export_hf_every_save
+            path = save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer, export)
+            print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
+            (stop,) = all_reduce([STOP.is_set()])  # a signal during the save too
+        if stop:
+            print0(f"stopped by signal after step {step}" + (", checkpoint saved" if ckpt.enabled else ""))
             break
     dist.barrier()
     run.engine.close()  # last: vLLM's shutdown destroys the default process group
@@ -2013,8 +2066,9 @@ def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
         batch.prev_logprobs = batched_logprobs(run.policy, batch.input_ids, batch.token_mask, cfg)
 
 
-def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict, stop_requested: float) -> bool:
-    """Throughput per device, log, print, count non-finite steps; True when the run stops here."""
+def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict) -> None:
+    """Throughput per device, log, print; stop after grpo.max_consecutive_nonfinite steps in a row with non-finite
+    updates, or with a reward function (or environment) failing on every sample."""
     g, world = run.cfg.grpo, dist.get_world_size()
     local = [batch.token_mask.sum().item(), sample_lengths(batch.token_mask).sum().item(), len(batch.rewards)]
     completions, trained, n = all_reduce(local)  # trained: prompt + completion tokens, no padding
@@ -2048,16 +2102,19 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     print_step(step, g.max_num_steps, metrics)
     print_samples(samples, run.cfg.logger.num_samples_to_print)
     skipped = metrics["train/skipped_updates"]
-    run.nonfinite_steps = run.nonfinite_steps + 1 if skipped else 0
     if skipped:
         print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
-    if run.nonfinite_steps >= g.max_consecutive_nonfinite:  # every rank sees the same global gradient norm
-        stop_run(
-            f"{run.nonfinite_steps} steps in a row with non-finite loss or gradients (grpo.max_consecutive_nonfinite)"
-        )
-    if stop_requested:
-        print0(f"stopped by signal after step {step}" + (", checkpoint saved" if run.cfg.checkpointing.enabled else ""))
-    return bool(stop_requested)
+    # What failed all step, the same on every rank: the updates (the global gradient norm), or a reward function or
+    # environment on every sample of all ranks.
+    failed = set.intersection(*(set(s["errors"]) for s in samples)) | ({"updates"} if skipped else set())
+    run.failing = {what: run.failing.get(what, 0) + 1 for what in failed}
+    for what, steps in run.failing.items():
+        if steps >= g.max_consecutive_nonfinite:
+            errors = samples[-1]["errors"]
+            why = (
+                f"{what} failing on every sample ({errors[what]})" if what in errors else "non-finite loss or gradients"
+            )
+            stop_run(f"{steps} steps in a row with {why} (grpo.max_consecutive_nonfinite)")
 
 
 def main(argv: list[str]) -> None:

@@ -6,6 +6,7 @@ plain python and under torchrun. `python test_grpo.py WORKER` runs one of the wo
 Quick tier (pure functions, config checks, one tiny end-to-end run): python -m pytest -q -m "not slow" test_grpo.py
 """
 
+import contextlib
 import functools
 import gc
 import importlib.util
@@ -29,6 +30,8 @@ import torch
 import transformers
 
 import grpo
+from examples.letters import LettersEnv
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["policy.model_name=tiny-debug"]
@@ -1171,7 +1174,7 @@ def test_trl_reward_functions_run_as_trl_runs_them(dist_world, capfd):
         assert [s.metrics for s in samples] == [{"progress": 3 / 12}] * 4  # global_step / max_steps
         assert [s.extra for s in samples] == [{"length": n} for n in (3, 2, 0, 2)]
         assert capfd.readouterr().err == ""
-    runner.pool.terminate()
+    runner.close()
     # Every function returns None for the empty completion: as TRL, no baseline counts it and its advantage is 0.
     rewards, samples = score([(a_share_unless_empty, 1.0)], ["aa", "", "ab", "b"])
     for sample, reward in zip(samples, rewards):
@@ -1184,7 +1187,7 @@ def test_trl_reward_functions_run_as_trl_runs_them(dist_world, capfd):
 
 
 def test_reward_workers_are_ready_before_the_first_call(dist_world):
-    """The pool starts with the run, its server having imported grpo, torch and the rewards' modules (3 s here): a
+    """The workers start with the run, their server having imported grpo, torch and the rewards' modules (3 s here): a
     first call within a time limit shorter than that gets its result."""
     start = time.perf_counter()
     runner = grpo.Runner(0.5, ["test_grpo"])
@@ -1192,8 +1195,19 @@ def test_reward_workers_are_ready_before_the_first_call(dist_world):
     calls = [(length_reward, (), {"completions": [[{"content": "ab"}]], "target": 2})] * 4
     start = time.perf_counter()
     assert runner(calls) == [([1.0], None)] * 4
-    print(f"pool ready in {ready:.2f} s, first calls answered in {time.perf_counter() - start:.3f} s")
-    runner.pool.terminate()
+    print(f"workers ready in {ready:.2f} s, first calls answered in {time.perf_counter() - start:.3f} s")
+    workers = [worker for worker, _ in runner.workers]
+    for worker in workers:  # a stop signal to every process of the job: the workers go on
+        os.kill(worker.pid, signal.SIGTERM)
+        os.kill(worker.pid, signal.SIGINT)
+    assert runner(calls + [(os._exit, (3,), {})]) == [([1.0], None)] * 4 + [(None, "ended its worker (exit code 3)")]
+    os.kill(runner.workers[0][0].pid, signal.SIGKILL)  # an idle worker killed from outside: a new one takes the call
+    time.sleep(0.1)
+    assert runner(calls[:1]) == [([1.0], None)]
+
+    workers += [worker for worker, _ in runner.workers]
+    runner.close()
+    assert not any(worker.is_alive() for worker in workers)
 
 
 def slow_trl_reward(completions, **kwargs) -> list:
@@ -1222,6 +1236,119 @@ def test_ctrl_c_during_a_reward_call_finishes_the_step(tmp_path):
     assert proc.returncode == 0 and "gave no result" not in err, err[-3000:]
     assert "stopped by signal after step 1, checkpoint saved" in out
     assert read_metrics(tmp_path)[0]["train/reward"] == 1.0 and os.listdir(tmp_path / "checkpoints") == ["step_1"]
+
+
+def signal_the_job_at(call: int) -> None:
+    """At the STOP_AT-th call (counted over processes in the file STOP_COUNT), SIGTERM to every process of the job,
+    as Slurm sends it at preemption: every process whose environment holds this STOP_COUNT, torchrun included."""
+    fd = os.open(os.environ["STOP_COUNT"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, b".")  # atomic: each call's offset after its write is its own number
+    count = os.lseek(fd, 0, os.SEEK_CUR)
+    os.close(fd)
+    if count == int(os.environ["STOP_AT"]):
+        pathlib.Path(os.environ["STOP_COUNT"] + ".sent").write_text(str(time.time()))
+        marker = f"STOP_COUNT={os.environ['STOP_COUNT']}".encode()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if marker in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    os.kill(int(pid), signal.SIGTERM)
+
+
+def stopping_reward(prompt, completion, answer):
+    """debug_reward, which signals the whole job at its STOP_AT-th call."""
+    signal_the_job_at(int(os.environ["STOP_AT"]))
+    return grpo.debug_reward(prompt, completion, answer)
+
+
+class StoppingLettersEnv(LettersEnv):
+    """The letters environment, which signals the whole job at its STOP_AT-th step."""
+
+    def step(self, text):
+        signal_the_job_at(int(os.environ["STOP_AT"]))
+        return super().step(text)
+
+
+def job_processes(stop_count) -> list[int]:
+    marker = f"STOP_COUNT={stop_count}".encode()
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if marker in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                alive.append(int(pid))
+    return alive
+
+
+def stopped_job(args: list[str], tmp_path, stop_at: int, ranks: int = 0) -> tuple[subprocess.CompletedProcess, float]:
+    """grpo.py with `args`, SIGTERM to every process of it at the STOP_AT-th reward or environment call: the result,
+    and the seconds from the signal to the end of the job. No process of the job may be left."""
+    count = tmp_path / "calls"
+    env = {**clean_env(), "STOP_COUNT": str(count), "STOP_AT": str(stop_at)}
+    prefix = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"] if ranks else [sys.executable]
+    command = prefix + ["grpo.py"] + args + [f"logger.log_dir={tmp_path}"]
+    result = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    seconds = time.time() - float((tmp_path / "calls.sent").read_text())
+    assert not job_processes(count), "a process of the job outlived it"
+    return result, seconds
+
+
+STOPPED_IN_WORKERS = ["env.reward_timeout_s=10", "grpo.max_num_steps=4"]
+
+
+@pytest.mark.slow
+def test_a_stop_to_the_whole_job_during_rewards_finishes_the_step(one_rank_run, tmp_path):
+    """SIGTERM to every process of the job in step 3's rewards, which run in worker processes: they ignore it and
+    finish the step's calls, so step 3 trains on its true rewards (the uninterrupted run's), is saved, and the run
+    exits 0 within seconds (before: the workers died, each call waited out its limit, the step trained on zeros and
+    the exit hung). The run's reward function fails on none of them."""
+    args = TINY + ["env.reward_fn=test_grpo:stopping_reward", "grpo.val_period=0"] + STOPPED_IN_WORKERS
+    result, seconds = stopped_job(args, tmp_path, stop_at=2 * 128 + 50)  # 128 calls a step
+    print(f"exit {result.returncode} {seconds:.1f} s after the signal")
+    assert result.returncode == 0 and "Traceback" not in result.stderr and "warning" not in result.stderr, result.stderr
+    assert "stopped by signal after step 3, checkpoint saved" in result.stdout and seconds < 20
+    assert os.listdir(tmp_path / "checkpoints") == ["step_3"]
+    straight = [m["train/reward"] for m in one_rank_run[1][:3]]
+    assert [m["train/reward"] for m in read_metrics(tmp_path)] == straight
+
+
+@pytest.mark.slow
+def test_a_stop_to_the_whole_job_during_an_environment_step_finishes_the_step(multiturn_run, tmp_path):
+    """The same in a multi-turn run: SIGTERM to every process at an environment step of step 2, in the workers."""
+    args = MULTITURN + ["env.environment=test_grpo:StoppingLettersEnv", "grpo.val_period=0"] + STOPPED_IN_WORKERS
+    result, seconds = stopped_job(args, tmp_path, stop_at=128 * 3 + 200)  # 3 turns of 128 a step
+    print(f"exit {result.returncode} {seconds:.1f} s after the signal")
+    assert result.returncode == 0 and "Traceback" not in result.stderr and "warning" not in result.stderr, result.stderr
+    assert "stopped by signal after step 2, checkpoint saved" in result.stdout and seconds < 20
+    straight = [m["train/reward"] for m in read_metrics(multiturn_run[0])[:2]]
+    assert [m["train/reward"] for m in read_metrics(tmp_path)] == straight
+
+
+@pytest.mark.slow
+def test_a_stop_to_the_whole_job_under_torchrun_during_validation_finishes_the_step(two_rank_runs, tmp_path):
+    """2 ranks under torchrun, SIGTERM to every process (torchrun too, which passes it on: each rank gets it twice)
+    during step 2's validation: both ranks finish the step, save it and exit 0 (torchrun itself reports the signal)."""
+    args = TINY + ["env.reward_fn=test_grpo:stopping_reward", "grpo.val_period=2", "grpo.val_greedy=true"]
+    result, seconds = stopped_job(args + STOPPED_IN_WORKERS, tmp_path, stop_at=2 * 128 + 40, ranks=2)
+    print(f"torchrun exit {result.returncode} {seconds:.1f} s after the signal")
+    assert result.stderr.count("Traceback") == 1 and result.stderr.rstrip().endswith("got signal: 15")  # torchrun's
+    assert "failed" not in result.stderr and "warning (rank" not in result.stderr, result.stderr[-3000:]
+    assert result.stdout.count("stopped by signal after step 2, checkpoint saved") == 1 and seconds < 30
+    assert os.listdir(tmp_path / "checkpoints") == ["step_2"]
+    straight = [m["train/reward"] for m in read_metrics(two_rank_runs[0])[:2]]
+    assert [m["train/reward"] for m in read_metrics(tmp_path)] == straight
+
+
+def always_failing_reward(prompt, completion, answer):
+    raise RuntimeError("no grader")
+
+
+@pytest.mark.slow
+def test_a_reward_failing_on_every_sample_stops_the_run_after_three_steps(tmp_path):
+    result = run(["grpo.py"] + TINY + ["env.reward_fn=test_grpo:always_failing_reward", f"logger.log_dir={tmp_path}"])
+    assert result.returncode == 1 and [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: 3 steps in a row with always_failing_reward failing on every sample (raised RuntimeError: no grader)"
+        " (grpo.max_consecutive_nonfinite)"
+    )
 
 
 @pytest.mark.slow
@@ -1269,18 +1396,17 @@ def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, time
     # an environment: its state comes back from the worker; a failing step ends that episode only
     envs = [FlakyEnv({}) for _ in range(3)]
     first = grpo.step_envs(runner, envs, ["ok", "x", "sleep" if timeout else "ok"])
-    assert [r[1:] for r in first] == [
+    assert [r[1:4] for r in first] == [
         ("again", 0.5, False),
         (None, 0.0, True),
         (None, 0.0, True) if timeout else ("again", 0.5, False),
     ]
-    assert grpo.step_envs(runner, [first[0][0]], ["ok"])[0][1:] == ("again", 0.5, True)  # the state travelled
+    assert grpo.step_envs(runner, [first[0][0]], ["ok"])[0][1:] == ("again", 0.5, True, None)  # the state travelled
     assert "FlakyEnv.step raised KeyError: 'no x'" in capfd.readouterr().err
-    if runner.pool:
-        runner.pool.terminate()
+    runner.close()
     elapsed = time.perf_counter() - start
     print(f"timeout={timeout}: scored in {elapsed:.2f} s")
-    assert elapsed < 30  # each hang sleeps 60 s; its worker ends itself 1 s past the limit, the pool replaces it
+    assert elapsed < 30  # each hang sleeps 60 s; its worker is killed at the limit and replaced
 
 
 def test_keep_top_k_and_latest(tmp_path):
