@@ -9,6 +9,9 @@ NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses)
   5. logprobs of the sampled tokens under pi_old (the policy before the update) and pi_ref (if there is a KL term);
   6. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
+     With one update a step (the default: the step's samples are one train_global_batch_size), pi_old is that
+     update's own forward: r_t = 1 exactly, the clip never binds and train/clip_fraction is 0; from a step's second
+     update on, r_t moves and the clip acts;
   7. validate every `val_period` steps; checkpoint every `save_period` steps.
 
 Run it:
@@ -25,8 +28,8 @@ the trainer (FSDP2 only), Megatron, value models, vision.
 from __future__ import annotations
 
 import asyncio, atexit, contextlib, ctypes, difflib, functools, gc, importlib, inspect, itertools, json, logging
-import math, multiprocessing, multiprocessing.connection, numbers, os, pathlib, re, shutil, signal, socket, sys
-import tempfile, threading, time, traceback, warnings
+import math, multiprocessing, multiprocessing.connection, numbers, os, pathlib, re, shutil, signal, socket, subprocess
+import sys, tempfile, threading, time, traceback, warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -319,7 +322,8 @@ def clipped_pg_loss(
 ) -> tuple[torch.Tensor, dict]:
     """Clipped policy gradient (+ dual clip, IS correction) + k3 KL to the reference (given reference_logprobs),
     summed over valid tokens and divided by `normalizer`, the valid tokens (or sequences) of the whole global batch.
-    Returns the loss and its metrics as {name: (sum, count)}. advantages [B], the rest [B, T]; loss_fn: cfg.loss_fn."""
+    Returns the loss and its metrics as {name: (sum, count)}, tensors: read once a step (a read waits for the GPU).
+    advantages [B], the rest [B, T]; loss_fn: cfg.loss_fn."""
     A = advantages.unsqueeze(1)  # [B, 1]
     tokens = token_mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
     log_ratio = logprobs - prev_logprobs  # [B, T] log(pi / pi_old)
@@ -350,7 +354,7 @@ def clipped_pg_loss(
             else:
                 inside = (is_weight >= lo) & (is_weight <= hi)
                 counted = token_mask  # the share of tokens outside
-            metrics["is_oob_ratio"] = (((~inside) * counted).sum().item(), counted.sum().item())
+            metrics["is_oob_ratio"] = (((~inside) * counted).sum(), counted.sum())
             is_weight = is_weight.clamp(lo, hi) if kind == "tis" else inside * is_weight
         per_token = per_token * is_weight
     kl = torch.zeros_like(logprobs)
@@ -365,10 +369,10 @@ def clipped_pg_loss(
         loss = (per_token * token_mask).sum() / normalizer
     else:  # sequence-level: mean over each sequence's tokens, then sum / number of sequences
         loss = ((per_token * token_mask).sum(1) / tokens.squeeze(1)).sum() / normalizer
-    n = token_mask.sum().item()
-    metrics["kl"] = ((kl * token_mask).sum().item(), n)
-    metrics["entropy"] = ((entropy * token_mask).sum().item(), n)
-    metrics["clip_fraction"] = (((unclipped < clipped) * token_mask).sum().item(), n)
+    n = token_mask.sum()
+    metrics["kl"] = ((kl.detach() * token_mask).sum(), n)
+    metrics["entropy"] = ((entropy.detach() * token_mask).sum(), n)
+    metrics["clip_fraction"] = (((unclipped < clipped) * token_mask).sum(), n)
     return loss, metrics
 
 
@@ -399,8 +403,7 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
     shared = shared_prompt_lengths(input_ids, token_mask)[:, None]  # [B, 1]
     keep = (column < sample_lengths(token_mask)[:, None]) & (column >= shared)  # [B, T] tokens in the row
     owner = torch.where(shared[:, 0] == 0, torch.arange(B, device=keep.device), 0).cummax(0).values  # [B]
-    index = torch.full((B, T), -1, device=keep.device)  # [B, T] where each token is in the row
-    index[keep] = torch.arange(int(keep.sum()), device=keep.device)
+    index = keep.view(-1).cumsum(0).view(B, T) - 1  # [B, T] where each kept token is in the row
     index = torch.where(column < shared, index[owner], index)  # a shared prompt: its first sample's tokens
     sample = torch.arange(B, device=keep.device)[:, None].expand(B, T)[keep]  # [N] each token's sample
     col = column[keep]  # [N]
@@ -499,13 +502,13 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
     if own_prev:
         batch.prev_logprobs = torch.zeros_like(batch.generation_logprobs)  # filled micro-batch by micro-batch
     loss_mask = batch.token_mask * ~(g.overlong_filtering & batch.truncated[:, None])  # [B, T] DAPO: truncated: none
-    sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}
+    sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}, as tensors
     loss_sum, grad_norms, skipped = 0.0, [], 0
     generator = torch.Generator(device()).manual_seed(seed_of(g.seed, step, dist.get_rank()))  # bf16's rounding
     for k in range(n_updates):
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device())  # this update's samples on this rank
-        local = loss_mask[rows].sum() if cfg.loss_fn.token_level_loss else loss_mask[rows].amax(1).sum()
-        (normalizer,) = all_reduce([local.item()])  # valid tokens (or sequences) of the global batch
+        normalizer = loss_mask[rows].sum() if cfg.loss_fn.token_level_loss else loss_mask[rows].amax(1).sum()
+        dist.all_reduce(normalizer)  # valid tokens (or sequences) of the global batch, left on the device
         micro = list(plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"))
         for m, width in micro:  # each backward reduce-scatters: gradients stay sharded between micro-batches
             logprobs, entropy = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width], cfg)
@@ -520,11 +523,11 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
                 loss_mask[m, :width],
                 None if batch.reference_logprobs is None else batch.reference_logprobs[m, :width],
                 cfg.loss_fn,
-                max(normalizer, 1.0),
+                normalizer.clamp(min=1.0),
             )
             # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
             (loss * dist.get_world_size()).backward()
-            loss_sum += loss.item()
+            loss_sum += loss.detach()
             for name, (value, count) in metrics.items():
                 sums[name] += value
                 counts[name] += count
@@ -536,7 +539,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) ->
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
     names = sorted(sums)
-    reduced = all_reduce([loss_sum] + [sums[n] for n in names] + [counts[n] for n in names])
+    reduced = all_reduce(torch.stack([loss_sum] + [sums[n] for n in names] + [counts[n] for n in names]))
     return {
         "train/loss": reduced[0] / n_updates,
         "train/grad_norm": float(np.mean(grad_norms)),
@@ -966,8 +969,10 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
 
 
 def weight_buckets(model, cfg: Config, generator: Optional[torch.Generator] = None):
-    """The full weights as [(name, tensor)] buckets of ~policy.refit_buffer_size_gb, split between layers, in
-    policy.precision; a LoRA merge W + B A x scale is rounded stochastically with a generator (else it could vanish)."""
+    """What a checkpoint holds, as [(name, tensor)] buckets of ~policy.refit_buffer_size_gb split between layers: the
+    parameters in policy.precision (a LoRA merge W + B A x scale rounded stochastically with a generator, else it
+    could vanish) and the persistent buffers as they are (a MoE router's fp32 correction bias, which vLLM holds as a
+    parameter: not sent, a level-2 sleep would leave it garbage)."""
     dtype, bucket_bytes = getattr(torch, cfg.policy.precision), cfg.policy.refit_buffer_size_gb * 2**30
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
     adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
@@ -986,8 +991,10 @@ def weight_buckets(model, cfg: Config, generator: Optional[torch.Generator] = No
     def unit(item):  # the decoder layer a parameter belongs to; "" for the root's (embeddings, final norm, head)
         return next((layer for layer in layers if item[0].startswith(layer)), "")
 
+    state = model.state_dict(keep_vars=True)  # parameters and persistent buffers, module by module
+    first = {id(t): name for name, t in reversed(state.items())}  # a tied tensor goes once, under its first name
     bucket, size = {}, 0
-    for _, params in itertools.groupby(model.named_parameters(), key=unit):
+    for _, params in itertools.groupby([(n, t) for n, t in state.items() if first[id(t)] == n], key=unit):
         params = list(params)
         nbytes = sum(p.numel() for _, p in params) * dtype.itemsize  # a DTensor's numel is the full one
         if bucket and size + nbytes > bucket_bytes:
@@ -995,8 +1002,8 @@ def weight_buckets(model, cfg: Config, generator: Optional[torch.Generator] = No
             bucket, size = {}, 0
         for name, param in params:
             local = (param.to_local() if isinstance(param, DTensor) else param).detach()
-            if not name.startswith(tuple(adapters)):  # before the gather: half the traffic (an adapted layer: fp32)
-                local = local.to(dtype)
+            if isinstance(param, torch.nn.Parameter) and not name.startswith(tuple(adapters)):  # before the gather:
+                local = local.to(dtype)  # half the traffic (an adapted layer in fp32)
             if isinstance(param, DTensor):
                 placement = dict(shape=param.shape, stride=param.stride())  # uneven shards need both
                 local = DTensor.from_local(local, param.device_mesh, param.placements, **placement).full_tensor()
@@ -1149,7 +1156,6 @@ def step_envs(runner: Runner, envs: list, texts: list[str]) -> list[tuple]:
             errors.append(f"{type(env).__qualname__}.step {why}")
         stepped.append((env, None, 0.0, True, why) if why else (*result[:2], float(result[2]), bool(result[3]), None))
     warn_failures(errors, len(envs))
-
     return stepped
 
 
@@ -1211,7 +1217,6 @@ class Runner:
                     busy[w] = todo.pop(), time.monotonic() + self.timeout_s
                     with contextlib.suppress(ConnectionError):  # it died since: its end reads EOF below
                         self.workers[w][1].send(calls[busy[w][0]])
-
             soonest = min(deadline for _, deadline in busy.values())
             ready = multiprocessing.connection.wait([self.workers[w][1] for w in busy], soonest - time.monotonic())
             for w, (i, deadline) in list(busy.items()):
@@ -1253,7 +1258,7 @@ def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> li
     elif name.endswith(".jsonl"):
         if not os.path.isfile(name):
             raise ConfigError(f"data: file not found: {name}")
-        with open(name) as f:
+        with open(name, encoding="utf-8-sig") as f:  # with or without the byte-order mark some editors write
             records = [json_row(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
     else:
         try:  # `datasets` is an optional extra; no network, a typo in the name, a missing split
@@ -1268,6 +1273,8 @@ def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> li
         for column in (data.input_key, data.output_key):
             if column not in r:
                 raise ConfigError(f"data: {name} row {i + 1} has no field '{column}' (fields: {sorted(r)})")
+            if r[column] is None:
+                raise ConfigError(f"data: {name} row {i + 1}: its field '{column}' is null")
     return [
         {"prompt": data.prompt_template.format(r[data.input_key]), "answer": r[data.output_key], "columns": r}
         for r in records
@@ -1623,7 +1630,7 @@ RULES = {
     "grpo.seed": ">= 0",
     "grpo.reward_shaping.overlong_buffer_penalty": ">= 0",
     "grpo.reward_shaping.max_response_length": "int > 0",
-    "grpo.batch_multiplier": ">= 1",
+    "grpo.batch_multiplier": "float >= 1",
     "loss_fn.reference_policy_kl_penalty": ">= 0",
     "loss_fn.kl_input_clamp_value": "> 0 or null",
     "loss_fn.kl_output_clamp_value": "> 0 or null",
@@ -1698,19 +1705,25 @@ def within(value, condition: str) -> bool:
     return value in re.split(", | or ", condition)
 
 
-def build_config(defaults: dict, values, prefix: str = "") -> Config:
+def build_config(defaults: dict, values, prefix: str = "", known: tuple = ()) -> Config:
     """config.yaml's defaults with `values` over them; an unknown key (did-you-mean) or a bad value names the key."""
+    known = known or tuple({k.rsplit(".", i)[0] for k in flatten(defaults) for i in range(k.count(".") + 1)})
     if not isinstance(values, dict):
         raise ConfigError(f"config key '{prefix[:-1]}': expected a mapping, got {type(values).__name__}")
     for key in values:
-        if key not in defaults:
-            close = difflib.get_close_matches(str(key), list(defaults), n=1)
+        if key not in defaults:  # the name, or the closest, anywhere in the config (policy.lr: policy.optimizer.lr)
+            last = {k: k.rsplit(".", 1)[-1] for k in known}
+            name = difflib.get_close_matches(str(key), set(last.values()), 1, 0.8)  # the name itself, if it is there
+            keys = [k for k in known if [last[k]] == name]
+            close = difflib.get_close_matches(
+                prefix + str(key), [k for k in keys if k.startswith(prefix)] or keys, 1, 0
+            )
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
     cfg = Config()
     for key, default in defaults.items():
         if isinstance(default, dict) and default:
-            cfg[key] = build_config(default, values.get(key, {}), f"{prefix}{key}.")
+            cfg[key] = build_config(default, values.get(key, {}), f"{prefix}{key}.", known)
         else:
             cfg[key] = check_knob(prefix + key, values.get(key, default), default)
     return cfg
@@ -1820,6 +1833,8 @@ def load_config(argv: list[str], world_size: int = 1) -> Config:
     if flatten(values).get("policy.model_name") == "tiny-debug":
         values = deep_merge(preset, values)
     cfg = build_config(defaults, values)
+    g = cfg.grpo  # unset: 2x the step's groups in flight with partial rollouts, else 1x
+    g.batch_multiplier = g.batch_multiplier or (2.0 if g.partial_rollouts.enabled else 1.0)
     check_config(cfg, world_size)
     if cfg.checkpointing.checkpoint_dir is None:
         cfg.checkpointing.checkpoint_dir = os.path.join(cfg.logger.log_dir, "checkpoints")
@@ -1843,6 +1858,21 @@ def setup_distributed() -> None:
     else:  # the ranks of a host share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         dist.init_process_group("gloo")
+
+
+def check_gpus() -> None:
+    """A GPU machine whose torch sees no GPU (a CPU build, a driver older than its CUDA) would train on the CPU."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    if torch.cuda.is_available() or hidden or not shutil.which("nvidia-smi"):
+        return
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout.count("GPU ")
+    if listed:
+        cuda = torch.version.cuda
+        why = f"its CUDA {cuda} needs a newer driver (13.x: >= 580)" if cuda else "it is a CPU build"
+        raise ConfigError(
+            f"nvidia-smi lists {listed} GPU(s), but torch {torch.__version__} sees none: {why}; install "
+            "requirements.txt's, or set CUDA_VISIBLE_DEVICES= to train on the CPU"
+        )
 
 
 def device() -> torch.device:
@@ -1918,8 +1948,8 @@ def gather_all(records: list) -> list:
     return [r for part in out for r in part]
 
 
-def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device())
+def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> list[float]:
+    t = torch.as_tensor(values, dtype=torch.float64, device=device())
     dist.all_reduce(t, op=op)
     return t.tolist()
 
@@ -1990,8 +2020,20 @@ def setup(cfg: Config) -> Run:
     transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
     g = cfg.grpo
     try:
+        dirs = [("logger.log_dir", cfg.logger.log_dir)]
+        dirs += (
+            [("checkpointing.checkpoint_dir", cfg.checkpointing.checkpoint_dir)] if cfg.checkpointing.enabled else []
+        )
+        for key, where in dirs:
+            try:  # a file made and removed: a read-only mount, a path under a file, /proc
+                os.makedirs(where, exist_ok=True)
+                tempfile.TemporaryFile(dir=where).close()
+            except OSError as e:
+                raise ConfigError(f"{key}: cannot write to {where} ({e.strerror or e})")
         path = resolve_model_path(cfg)
-        try:  # no network, a typo in a hub name, a missing directory
+        if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):  # a path, not a hub name
+            raise ConfigError(f"policy.model_name: no such directory: {path}")
+        try:  # no network, a typo in a hub name
             tokenizer = transformers.AutoTokenizer.from_pretrained(path)
             config = transformers.AutoConfig.from_pretrained(path)
         except Exception as e:
@@ -2120,6 +2162,7 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
 def main(argv: list[str]) -> None:
     try:  # bad config exits here, in seconds, before any model loads
         cfg = load_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
+        check_gpus()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

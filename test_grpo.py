@@ -465,7 +465,7 @@ def test_sampler_is_resumable_and_covers_each_epoch():
 
 
 def test_config_errors_in_process():
-    with pytest.raises(grpo.ConfigError, match="did you mean 'num_prompts_per_step'"):
+    with pytest.raises(grpo.ConfigError, match="did you mean 'grpo.num_prompts_per_step'"):
         grpo.load_config(["grpo.num_prompts_per_stp=4"])
     with pytest.raises(grpo.ConfigError, match="policy.optimizer.lr.*expected float"):
         grpo.load_config(["policy.optimizer.lr=fast"])
@@ -507,9 +507,11 @@ def test_config_errors_in_process():
 
 def test_partial_rollouts_and_the_batch_multiplier_refuse_what_cannot_work():
     """Groups in flight beyond a step's and within the age limit; one turn; a multiplier only where it means something."""
-    for extra in ([], ["grpo.batch_multiplier=3"]):
+    for extra in (["grpo.batch_multiplier=1"], ["grpo.batch_multiplier=3"]):  # a value given wins: 1x, 3x refused
         with pytest.raises(grpo.ConfigError, match=r"needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps \+ 1"):
             grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true"] + extra)
+    on = ["grpo.partial_rollouts.enabled=true"]  # the one knob a user turns: 2x in flight
+    assert [grpo.load_config(TINY + knobs).grpo.batch_multiplier for knobs in ([], on)] == [1.0, 2.0]
     with pytest.raises(grpo.ConfigError, match="max_trajectory_age_steps must be > 0, got 0"):
         grpo.load_config(PARTIAL + ["grpo.partial_rollouts.max_trajectory_age_steps=0"])
     with pytest.raises(grpo.ConfigError, match="one turn only"):
@@ -521,8 +523,7 @@ def test_partial_rollouts_and_the_batch_multiplier_refuse_what_cannot_work():
 
 
 PARTIAL = TINY + [
-    "grpo.partial_rollouts.enabled=true",
-    "grpo.batch_multiplier=2",
+    "grpo.partial_rollouts.enabled=true",  # alone: 2x the step's groups in flight
     "grpo.val_period=0",
     "checkpointing.save_period=2",
 ]
@@ -660,6 +661,8 @@ def one_line_errors(tmp_path_factory) -> tuple:
         + ["policy.lora.match_all_linear=false", "policy.lora.target_modules=[qproj, v_proj]"],
         "no_hub_model": TINY + ["policy.model_name=nobody/no-such-model", log],
         "no_model_dir": TINY + [f"policy.model_name={tmp}/nope", log],
+        "no_log_dir": TINY + ["logger.log_dir=/proc/grpo-logs"],
+        "no_checkpoint_dir": TINY + [log, "checkpointing.checkpoint_dir=/proc/grpo-checkpoints"],
         "no_hub_dataset": TINY + ["data.dataset_name=nobody/no-such-dataset", log],
     }
     env = {**clean_env(), "HF_HUB_OFFLINE": "1"}
@@ -739,7 +742,7 @@ def test_a_config_file_holds_only_what_it_changes(tmp_path):
     assert cfg.policy.optimizer.warmup_steps == 1 and cfg.data.dataset_name == "debug"  # the preset, under the file
     assert cfg.policy.optimizer.betas == [0.9, 0.999]  # config.yaml, under both
     recipe.write_text("grpo:\n  num_prompts_per_stp: 8\n")
-    with pytest.raises(grpo.ConfigError, match="did you mean 'num_prompts_per_step'"):
+    with pytest.raises(grpo.ConfigError, match="did you mean 'grpo.num_prompts_per_step'"):
         grpo.load_config(["--config", str(recipe)])
 
 
@@ -908,20 +911,56 @@ def test_a_model_or_dataset_that_cannot_load_exits_with_one_line(one_line_errors
     results, tmp = one_line_errors
     cases = {
         "no_hub_model": ("policy.model_name", "nobody/no-such-model"),
-        "no_model_dir": ("policy.model_name", f"{tmp}/nope"),
         "no_hub_dataset": ("data.dataset_name", "nobody/no-such-dataset"),
     }
     for name, (key, value) in cases.items():
         assert one_line(results[name]).startswith(f"config error: {key}: cannot load '{value}'")
+    # a path the user gave, not a hub name: say there is no such directory (not "Repo id must be in the form ...")
+    assert one_line(results["no_model_dir"]) == f"config error: policy.model_name: no such directory: {tmp}/nope"
+
+
+def test_unwritable_log_and_checkpoint_dirs_exit_with_one_line(one_line_errors):
+    results, tmp = one_line_errors
+    for name, key, where in (
+        ("no_log_dir", "logger.log_dir", "/proc/grpo-logs"),
+        ("no_checkpoint_dir", "checkpointing.checkpoint_dir", "/proc/grpo-checkpoints"),
+    ):
+        assert one_line(results[name]) == f"config error: {key}: cannot write to {where} (No such file or directory)"
+
+
+def test_a_key_in_another_section_is_suggested():
+    with pytest.raises(grpo.ConfigError, match=r"unknown config key 'policy.lr' \(did you mean 'policy.optimizer.lr'"):
+        grpo.load_config(["policy.lr=1e-5"])
+
+
+def test_a_gpu_machine_whose_torch_sees_no_gpu_exits_with_one_line(tmp_path):
+    """nvidia-smi lists GPUs, torch sees none (here: a stand-in nvidia-smi on a CPU machine): one line, exit 2, before
+    any model loads; with the GPUs hidden (CUDA_VISIBLE_DEVICES=) the run goes on (here: to a missing data file)."""
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a GPU")
+    (tmp_path / "nvidia-smi").write_text(
+        "#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-1)'\necho 'GPU 1: NVIDIA H200'\n"
+    )
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    env = {**clean_env(), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    missing = TINY + [f"data.dataset_name={tmp_path}/nope.jsonl", f"logger.log_dir={tmp_path}"]
+    results = run_together({"seen": ["grpo.py"] + missing}, env)
+    results |= run_together({"hidden": ["grpo.py"] + missing}, {**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert one_line(results["seen"]) == (
+        f"config error: nvidia-smi lists 2 GPU(s), but torch {torch.__version__} sees none: it is a CPU build; "
+        "install requirements.txt's, or set CUDA_VISIBLE_DEVICES= to train on the CPU"
+    )
+    assert one_line(results["hidden"]) == f"config error: data: file not found: {tmp_path}/nope.jsonl"
 
 
 def test_bad_key_exits_fast_with_one_line():
+
     start = time.perf_counter()
     result = run(["grpo.py", "grpo.num_prompts_per_stp=4"])
     elapsed = time.perf_counter() - start
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "config error: unknown config key 'grpo.num_prompts_per_stp' (did you mean 'num_prompts_per_step'?)"
+        "config error: unknown config key 'grpo.num_prompts_per_stp' (did you mean 'grpo.num_prompts_per_step'?)"
     )
     assert elapsed < 10
 
@@ -1011,6 +1050,19 @@ def test_jsonl_dataset_missing_field(tmp_path):
     path.write_text("\n")
     with pytest.raises(grpo.ConfigError, match=f"{path} \\(train\\) is empty"):
         grpo.load_datasets(cfg)
+    path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": null, "answer": "4"}\n')  # not a prompt "None"
+    with pytest.raises(grpo.ConfigError, match=f"{path} row 2: its field 'problem' is null"):
+        grpo.load_datasets(cfg)
+
+
+def test_a_jsonl_file_saved_with_a_byte_order_mark_loads(tmp_path):
+    """Windows editors and spreadsheet exports write UTF-8 with a byte-order mark: the same rows as without it."""
+    rows = '{"question": "1+1", "answer": "2"}\n{"question": "2+\u00e9", "answer": "4"}\n'
+    for name, encoding in (("plain", "utf-8"), ("bom", "utf-8-sig")):
+        (tmp_path / f"{name}.jsonl").write_text(rows, encoding=encoding)
+    cfg = grpo.load_config(TINY + ["data.val_dataset_name=debug"])
+    loaded = [grpo.load_rows(str(tmp_path / f"{name}.jsonl"), "train", cfg.data, 0, 0) for name in ("plain", "bom")]
+    assert loaded[0] == loaded[1] and [r["prompt"] for r in loaded[1]] == ["1+1", "2+\u00e9"]
 
 
 def test_a_jsonl_file_holds_out_a_share_for_validation(tmp_path):
@@ -1204,7 +1256,6 @@ def test_reward_workers_are_ready_before_the_first_call(dist_world):
     os.kill(runner.workers[0][0].pid, signal.SIGKILL)  # an idle worker killed from outside: a new one takes the call
     time.sleep(0.1)
     assert runner(calls[:1]) == [([1.0], None)]
-
     workers += [worker for worker, _ in runner.workers]
     runner.close()
     assert not any(worker.is_alive() for worker in workers)
@@ -2222,6 +2273,49 @@ def qwen3_copy(src: str, dst: str, experts: int) -> None:
     tokenizer.save_pretrained(dst)
 
 
+def router_bias_worker():
+    """`python test_grpo.py router_bias_worker DIR`: a tiny GLM-4.5-style MoE, whose router's correction bias
+    transformers holds as a persistent buffer and vLLM as a parameter. The engine's copy is overwritten with NaN (what
+    a level-2 sleep leaves: CUDA only, so done by hand), then refit from a policy whose bias differs from the
+    checkpoint's. Prints, on one JSON line, the bias the refit sends and its dtype, the engine's after, and the HF
+    export's."""
+    from transformers import AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM
+
+    out = sys.argv[2]
+    grpo.build_tiny_debug(out + "/tiny")
+    tokenizer = AutoTokenizer.from_pretrained(out + "/tiny")
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=32)
+    sizes.update(num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    moe = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+    torch.manual_seed(0)
+    Glm4MoeForCausalLM(Glm4MoeConfig(**sizes, **moe, n_group=1, topk_group=1)).save_pretrained(out + "/glm")
+    tokenizer.save_pretrained(out + "/glm")
+    cfg = grpo.load_config(TINY + [f"policy.model_name={out}/glm", "policy.refit_buffer_size_gb=0.00005"])
+    grpo.setup_distributed()
+    _, engine, policy, _, _ = trainer_and_engine(out + "/glm", cfg, 4, seed=0)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    policy.get_buffer(name).copy_(torch.tensor([0.5, -0.25, 0.125, 1.0]))  # the checkpoint's: zeros
+    engine.llm.apply_model(lambda model: model.get_parameter(name).data.fill_(math.nan))
+    sent = dict(pair for bucket in grpo.weight_buckets(policy, cfg) for pair in bucket)[name]
+    engine.refit(grpo.weight_buckets(policy, cfg))
+    held = engine.llm.apply_model(lambda model: model.get_parameter(name).tolist())[0]
+    grpo.export_hf(policy, tokenizer, out + "/hf", cfg)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out + "/hf").get_buffer(name).tolist()
+    print(json.dumps({"sent": sent.tolist(), "dtype": str(sent.dtype), "engine": held, "export": exported}))
+    engine.close()
+
+
+@pytest.mark.slow
+def test_a_moe_routers_correction_bias_reaches_the_engine_and_the_export(tmp_path):
+    """vLLM holds the bias as a parameter, so a level-2 sleep discards it and only a refit can write it back: the
+    refit sends it (as it is, fp32), and the engine and the export hold the policy's values (before: not sent)."""
+    result = run([__file__, "router_bias_worker", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = last_json_line(result.stdout)
+    want = [0.5, -0.25, 0.125, 1.0]
+    assert out == {"sent": want, "dtype": "torch.float32", "engine": want, "export": want}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("experts", [0, 4])
 def test_start_up_refit_check_catches_an_engine_that_changes_weights(tmp_path, experts):
@@ -2275,21 +2369,73 @@ def gpu_worker():
     engine.close()
 
 
+def needs_gpus(ranks: int, vllm: bool = True) -> None:
+    if not torch.cuda.is_available() or (vllm and importlib.util.find_spec("vllm") is None):
+        pytest.skip("needs CUDA" + " and vLLM" * vllm)
+    if torch.cuda.device_count() < max(ranks, 1):
+        pytest.skip(f"needs {ranks} GPUs")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks,tp", [(0, 1), (2, 1), (2, 2)])
 def test_gpu_sleep_wake_refit_cycles(ranks, tp):
     """Run first on a new GPU machine (`python -m pytest -q -s -m gpu test_grpo.py`): sleep, wake and refit keep the
     engine on the trainer's weights cycle after cycle, at 1 GPU and at 2 (TP 1 and 2); prints memory per phase."""
-    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs CUDA and vLLM")
-    if torch.cuda.device_count() < max(ranks, 1):
-        pytest.skip(f"needs {ranks} GPUs")
+    needs_gpus(ranks)
     result = run([__file__, "gpu_worker", str(tp)], ranks=ranks)
     assert result.returncode == 0, result.stderr[-3000:]
     r = last_json_line(result.stdout)
     print(f"ranks={ranks or 1} tp={tp}: {r}")
     errors = r["mean_abs_logprob_error_per_step"]
     assert errors[0] < 0.05 and max(errors) < 1.6 * errors[0] + 1e-3  # the mismatch stays at its first value
+
+
+GPU_JOB = TINY + ["policy.precision=bfloat16", "grpo.val_period=2", "checkpointing.save_period=2"]
+
+
+def two_then_four_steps(args: list[str], log_dir, ranks: int) -> list[dict]:
+    """grpo.py for 2 steps, then again to 4 (it resumes from step 2): the metrics of the 4 steps."""
+    for steps in (2, 4):
+        result = run(["grpo.py"] + args + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"], ranks=ranks)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {log_dir / 'checkpoints' / 'step_2'}" in result.stdout
+    return read_metrics(log_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_gpu_the_real_jobs_path_trains_validates_saves_and_resumes(ranks, tmp_path):
+    """What the cycles above leave out and a real job meets first: CUDA graphs and compilation (enforce_eager off),
+    vLLM's async scheduling (on by default on CUDA), a refit in many small buckets, the start-up refit check,
+    validation (a refit before and after), level-2 sleep, and a save and a resume over NCCL; at 1 GPU and 2."""
+    needs_gpus(ranks)
+    real = ["policy.generation.vllm_cfg.enforce_eager=false", "policy.refit_buffer_size_gb=0.00005"]
+    metrics = two_then_four_steps(GPU_JOB + real, tmp_path, ranks)
+    keys = ("train/reward", "train/token_mult_prob_error", "validation/accuracy", "memory/sleep_freed_gib")
+    print([{k: round(m[k], 4) for k in keys if k in m} for m in metrics])
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and [m["step"] for m in metrics if "validation/accuracy" in m]
+    assert all(m["train/token_mult_prob_error"] < 1.1 for m in metrics)  # the engine keeps the trainer's weights
+    assert all(m["memory/sleep_freed_gib"] > 0 for m in metrics)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_gpu_trainer_without_vllm_saves_and_resumes(ranks, tmp_path):
+    """The trainer's half on CUDA, with no vLLM needed (policy.generation.backend=hf): bf16 from fp32 masters over
+    NCCL, validation, a save and a resume. The resumed step 3 generates from the saved weights with the same seeds,
+    so it samples what the uninterrupted run did."""
+    needs_gpus(ranks, vllm=False)
+    hf = ["policy.generation.backend=hf", "grpo.num_prompts_per_step=4", "policy.train_global_batch_size=32"]
+    hf += ["grpo.max_val_samples=8"]
+    resumed = two_then_four_steps(GPU_JOB + hf, tmp_path / "resumed", ranks)
+    result = run(["grpo.py"] + GPU_JOB + hf + ["grpo.max_num_steps=4", f"logger.log_dir={tmp_path}"], ranks=ranks)
+    assert result.returncode == 0, result.stderr[-3000:]
+    straight = read_metrics(tmp_path)
+    for a, b in zip(straight, resumed):
+        print({k: (round(a[k], 5), round(b[k], 5)) for k in ("train/reward", "train/loss", "train/grad_norm")})
+    assert [m["train/reward"] for m in resumed[:3]] == [m["train/reward"] for m in straight[:3]]
+    assert all(math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0 for m in resumed)
+    assert [m["step"] for m in resumed if "validation/accuracy" in m] == [2, 4]
 
 
 # ------------------------------------------------------------------------------------------------------
