@@ -112,23 +112,23 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """This rank's share of the step's groups, generated, scored and batched with their advantages. DAPO's dynamic
     sampling and partial rollouts each enter here by one `if`; their sections follow the core."""
     g, n, generated = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, run.engine.generated
-    draw = partial_rollout if g.partial_rollouts.enabled else draw_groups
+    groups_of = partial_rollout if g.partial_rollouts.enabled else generate_groups  # (run, step, first) -> groups
     if g.use_dynamic_sampling:
-        groups, metrics = dynamic_sampling(run, step, draw)
+        groups, metrics = dynamic_sampling(run, step, groups_of)
     else:
-        groups, metrics = draw(run, step, 0), {}
+        groups, metrics = groups_of(run, step, 0), {}
     samples = [s for group in groups for s in group]
     reward_sum, generated = all_reduce([sum(s.reward for s in samples), run.engine.generated - generated])
-    reward = reward_sum / (g.num_prompts_per_step * n)  # of the samples trained (dynamic sampling: of all it drew)
+    reward = reward_sum / (g.num_prompts_per_step * n)  # over those trained; dynamic sampling's is over all it drew
     metrics = {"train/reward": reward, "train/generated_tokens": generated} | metrics
     if g.partial_rollouts.enabled:
         metrics |= partial_rollout_metrics(run, samples, step)
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
 
 
-def draw_groups(run: Run, step: int, first: int) -> list[list[Sample]]:
-    """This rank's share of the next num_prompts_per_step x batch_multiplier prompts of the data order (all ranks),
-    num_generations_per_prompt samples each (a group), generated and scored."""
+def generate_groups(run: Run, step: int, first: int) -> list[list[Sample]]:
+    """This rank's share of the next num_prompts_per_step x batch_multiplier (unset: 1) prompts of the data order (all
+    ranks), num_generations_per_prompt samples each (a group), generated and scored."""
     g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
     count = math.ceil(g.batch_multiplier * g.num_prompts_per_step / dist.get_world_size())
     rows, seeds = draw_prompts(run, step, first, count)
@@ -138,7 +138,8 @@ def draw_groups(run: Run, step: int, first: int) -> list[list[Sample]]:
 
 def draw_prompts(run: Run, step: int, first: int, count: int) -> tuple[list[int], list[int]]:
     """This rank's `count` next prompts of the data order and their samples' seeds: sample k of prompt j (counted over
-    all ranks, from `first`: the prompts the step drew before) has seed_of(grpo.seed, step, j n + k)."""
+    all ranks, from `first`: the prompts the step drew before) has seed_of(grpo.seed, step, j n + k); its turn t is
+    sampled with seed_of(that, t) (generate)."""
     g, n, rank = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, dist.get_rank()
     counts = gather_all([count])  # each rank's (with partial rollouts they differ)
     rows = prompt_indices(run.info["consumed_samples"], sum(counts), len(run.train_rows), run.cfg)
@@ -212,7 +213,7 @@ def compute_advantages(rewards: torch.Tensor, grpo: Config) -> torch.Tensor:
     for start in range(0, len(rewards), n):
         group = rewards[start : start + n].tolist()
         scored = [r for r in group if not math.isnan(r)]
-        group = [r - scored[0] for r in group] if scored else group  # less a member: equal rewards, exactly 0
+        group = [r - scored[0] for r in group] if scored else group  # shifted by one: equal rewards give exactly 0
         for i, reward in enumerate(group):
             others = [r for j, r in enumerate(group) if j != i or not grpo.use_leave_one_out_baseline]
             others = [r for r in others if not math.isnan(r)]
@@ -307,15 +308,13 @@ def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask) -> dict:
 
 def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, ...]:
     """log p(token_t | tokens_<t) at the sampling temperature and the entropy of p(. | tokens_<t), where token_mask is
-    1, else 0: [B, T] each. The samples go in as one packed row, a prompt that consecutive samples share once; only
-    the scored positions reach the LM head, and the log-softmax runs in fp32 chunks, recomputed in backward (no fp32
-    [B, T, vocab]). Samples a and b of one prompt p, in the row:
+    1, else 0: [B, T] each. The samples go in packed as one row, a prompt that consecutive samples share once; only
+    scored positions reach the LM head, the log-softmax in fp32 chunks recomputed in backward. Samples a, b of prompt p:
         token      p0 p1 p2 a0 a1 b0 b1 b2
-        position    0  1  2  3  4  3  4  5    each sample's own positions: b's go on from the prompt's
+        position    0  1  2  3  4  3  4  5    each sample's own positions
         sample      a  a  a  a  a  b  b  b
-    A token attends to its own sample's tokens up to itself, and b's to the prompt too (b1: p0 p1 p2 b0 b1; the
-    prompt's gradients come from both). The logit at a token scores its sample's next one: p2's scores a0 and b0,
-    a0's a1, b0's b1, b1's b2."""
+    A token attends to its sample's tokens up to itself, b's to p too (b1: p0 p1 p2 b0 b1). The logit at a token
+    scores its sample's next one: p2's scores a0 and b0, a0's a1, b0's b1, b1's b2."""
     B, T = input_ids.shape
     if B == 0:  # this rank has no sample in this micro-batch: FSDP's forward and backward need it all the same
         zero = 0 * model(input_ids=input_ids.new_zeros(1, 1)).logits.sum()
@@ -518,21 +517,20 @@ def validate(run: Run, step: int) -> dict:
 # ======== Variants that enter `rollout` by one `if`: DAPO's dynamic sampling, partial rollouts =======================
 
 
-def dynamic_sampling(run: Run, step: int, draw: Callable) -> tuple[list[list[Sample]], dict]:
+def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[list[Sample]], dict]:
     """DAPO: a group whose rewards all agree has advantages of 0 and teaches nothing. Draw groups and keep those whose
     rewards differ, round after round, until the ranks have num_prompts_per_step together; deal those, drop the rest."""
     g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
     start, drawn, kept = run.info["consumed_samples"], [], []
     for round_ in range(g.dynamic_sampling_max_gen_batches):
-        groups = draw(run, step, run.info["consumed_samples"] - start)  # seeded by place among the step's prompts
+        groups = groups_of(run, step, run.info["consumed_samples"] - start)  # seeded by place among the step's prompts
         drawn += groups
         kept += gather_all([group for group in groups if len({s.reward for s in group}) > 1])  # in the order drawn
         if len(kept) >= g.num_prompts_per_step:
             break
     else:  # every rank sees the same kept groups: all stop here together
         stop_run(
-            f"step {step}: dynamic sampling found {len(kept)} of grpo.num_prompts_per_step groups with differing "
-            "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
+            f"step {step}: {len(kept)} groups with differing rewards in grpo.dynamic_sampling_max_gen_batches rounds"
         )
     kept = kept[share(g.num_prompts_per_step)]
     sums = [sum(s.reward for group in groups for s in group) for groups in (drawn, kept)]
@@ -546,7 +544,7 @@ def dynamic_sampling(run: Run, step: int, draw: Callable) -> tuple[list[list[Sam
 
 
 def partial_rollout(run: Run, step: int, first: int) -> list[list[Sample]]:
-    """draw_groups with batch_multiplier x this rank's share in flight: the groups carried over (each sample goes on
+    """generate_groups with batch_multiplier x this rank's share in flight: the groups carried over (each sample goes on
     from its tokens, with a seed of its own per resume: on CPU the same one would replay its noise), then new prompts.
     The engine steps until each of its ranks can take its share of whole groups, oldest first, without leaving one
     past its age limit (pick_groups); the rest stay in flight, in run.info["carried"] (and checkpoints)."""
@@ -1019,10 +1017,10 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
 
 
 def weight_buckets(model, cfg: Config, generator: Optional[torch.Generator] = None):
-    """What a checkpoint holds, as [(name, tensor)] buckets of ~policy.refit_buffer_size_gb split between layers: the
-    parameters in policy.precision (a LoRA merge W + B A x scale rounded stochastically with a generator, else it
-    could vanish) and the persistent buffers as they are (a MoE router's fp32 correction bias, which vLLM holds as a
-    parameter: not sent, a level-2 sleep would leave it garbage)."""
+    """The policy's weights for the refit and the export, as a checkpoint holds them, in [(name, tensor)] buckets of
+    ~policy.refit_buffer_size_gb split between layers: the parameters in policy.precision (a LoRA merge W + B A x scale
+    rounded stochastically with a generator, else it could vanish) and the persistent buffers as they are (a MoE
+    router's fp32 correction bias, a parameter in vLLM: not sent, a level-2 sleep would leave it garbage)."""
     dtype, bucket_bytes = getattr(torch, cfg.policy.precision), cfg.policy.refit_buffer_size_gb * 2**30
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
     adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
