@@ -530,7 +530,8 @@ def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[lis
             break
     else:  # every rank sees the same kept groups: all stop here together
         stop_run(
-            f"step {step}: {len(kept)} groups with differing rewards in grpo.dynamic_sampling_max_gen_batches rounds"
+            f"step {step}: dynamic sampling found {len(kept)} of grpo.num_prompts_per_step groups with differing "
+            "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
         )
     kept = kept[share(g.num_prompts_per_step)]
     sums = [sum(s.reward for group in groups for s in group) for groups in (drawn, kept)]
@@ -597,14 +598,12 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
 def partial_rollout_metrics(run: Run, samples: list[Sample], step: int) -> dict:
     """How stale the step's trained tokens are: their age, the weight updates since each was generated (all ranks)."""
     ages = (step - 1) - np.concatenate([[step - 1]] + [s.versions for s in samples])  # the trained tokens' (and a 0)
-    tokens, total, resumed, carried = all_reduce(
-        [ages.size - 1, ages.sum(), (ages > 0).sum(), len(run.info["carried"])]
-    )
+    tokens, total, resumed, held = all_reduce([ages.size - 1, ages.sum(), (ages > 0).sum(), len(run.info["carried"])])
     return {
         "train/partial_rollouts/token_age_mean": total / tokens,
         "train/partial_rollouts/token_age_max": all_reduce([ages.max()], dist.ReduceOp.MAX)[0],
         "train/partial_rollouts/resumed_token_share": resumed / tokens,  # generated before a refit
-        "train/partial_rollouts/groups_carried": carried,
+        "train/partial_rollouts/groups_carried": held,
     }
 
 
@@ -759,6 +758,7 @@ class VllmEngine:
         requests = {f"check-{i}": (ids, i, None, 16) for i, ids in enumerate(prompt_ids)}
         first, second = self.step_until(requests), self.step_until(requests)
         self.refit(weight_buckets(model, self.cfg))
+        after = self.step_until(requests)
 
         def max_diff(a: dict, b: dict) -> float:  # over each pair's tokens up to the first that differs
             diffs = [0.0]
@@ -767,9 +767,7 @@ class VllmEngine:
                 diffs += [abs(x - y) for x, y in zip(lp_a[:same], lp_b[:same])]
             return max(diffs)
 
-        noise, changed = all_reduce(
-            [max_diff(first, second), max_diff(first, self.step_until(requests))], dist.ReduceOp.MAX
-        )
+        noise, changed = all_reduce([max_diff(first, second), max_diff(first, after)], dist.ReduceOp.MAX)
         if changed > max(4 * noise, 1e-3):
             print0(
                 f"warning: vLLM changes {type(model).__name__.removeprefix('FSDP')}'s weights as it reloads them: "
@@ -1738,9 +1736,8 @@ def build_config(defaults: dict, values, prefix: str = "", known: tuple = ()) ->
             last = {k: k.rsplit(".", 1)[-1] for k in known}
             name = difflib.get_close_matches(str(key), set(last.values()), 1, 0.8)  # the name itself, if it is there
             keys = [k for k in known if [last[k]] == name]
-            close = difflib.get_close_matches(
-                prefix + str(key), [k for k in keys if k.startswith(prefix)] or keys, 1, 0
-            )
+            keys = [k for k in keys if k.startswith(prefix)] or keys  # in the section typed, first
+            close = difflib.get_close_matches(prefix + str(key), keys, 1, 0)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
     cfg = Config()
@@ -1998,7 +1995,7 @@ class Run:
     reference: Any = None  # frozen initial policy for the KL term; None without one
     optimizer: Optional[torch.optim.AdamW] = None
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
-    failing: dict = field(default_factory=dict)  # {"updates" (non-finite), or a reward function: steps in a row}
+    failing: dict = field(default_factory=dict)  # {what failed all of a step (a reward, non-finite updates): steps}
 
 
 def train(cfg: Config) -> None:
@@ -2044,11 +2041,10 @@ def setup(cfg: Config) -> Run:
     transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
     g = cfg.grpo
     try:
-        dirs = [("logger.log_dir", cfg.logger.log_dir)]
-        dirs += (
-            [("checkpointing.checkpoint_dir", cfg.checkpointing.checkpoint_dir)] if cfg.checkpointing.enabled else []
-        )
-        for key, where in dirs:
+        dirs = {"logger.log_dir": cfg.logger.log_dir}
+        if cfg.checkpointing.enabled:
+            dirs["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir
+        for key, where in dirs.items():
             try:  # a file made and removed: a read-only mount, a path under a file, /proc
                 os.makedirs(where, exist_ok=True)
                 tempfile.TemporaryFile(dir=where).close()

@@ -1263,26 +1263,33 @@ def test_reward_workers_are_ready_before_the_first_call(dist_world):
     assert not any(worker.is_alive() for worker in workers)
 
 
-def signal_the_job_at(call: int) -> None:
+def job_processes(stop_count) -> list[int]:
+    """The processes of a job (Slurm's view: its cgroup): here, each one whose environment holds this STOP_COUNT."""
+    marker, pids = f"STOP_COUNT={stop_count}".encode(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if marker in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                pids.append(int(pid))
+    return pids
+
+
+def signal_the_job() -> None:
     """At the STOP_AT-th call (counted over processes in the file STOP_COUNT), STOP_SIGNAL to every process of the
-    job: every process whose environment holds this STOP_COUNT, torchrun included, as Slurm sends SIGTERM at
-    preemption and a terminal's Ctrl-C SIGINT to the job it runs."""
+    job, torchrun included: as Slurm sends SIGTERM at preemption, and a terminal a Ctrl-C's SIGINT."""
     fd = os.open(os.environ["STOP_COUNT"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.write(fd, b".")  # atomic: each call's offset after its write is its own number
     count = os.lseek(fd, 0, os.SEEK_CUR)
     os.close(fd)
     if count == int(os.environ["STOP_AT"]):
         pathlib.Path(os.environ["STOP_COUNT"] + ".sent").write_text(str(time.time()))
-        marker = f"STOP_COUNT={os.environ['STOP_COUNT']}".encode()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                if marker in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                    os.kill(int(pid), signal.Signals[os.environ["STOP_SIGNAL"]])
+        for pid in job_processes(os.environ["STOP_COUNT"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.Signals[os.environ["STOP_SIGNAL"]])
 
 
 def stopping_reward(prompt, completion, answer):
     """debug_reward, which signals the whole job at its STOP_AT-th call."""
-    signal_the_job_at(int(os.environ["STOP_AT"]))
+    signal_the_job()
     return grpo.debug_reward(prompt, completion, answer)
 
 
@@ -1290,18 +1297,8 @@ class StoppingLettersEnv(LettersEnv):
     """The letters environment, which signals the whole job at its STOP_AT-th step."""
 
     def step(self, text):
-        signal_the_job_at(int(os.environ["STOP_AT"]))
+        signal_the_job()
         return super().step(text)
-
-
-def job_processes(stop_count) -> list[int]:
-    marker = f"STOP_COUNT={stop_count}".encode()
-    alive = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if marker in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                alive.append(int(pid))
-    return alive
 
 
 def stopped_job(
