@@ -27,9 +27,9 @@ the trainer (FSDP2 only), Megatron, value models, vision.
 
 from __future__ import annotations
 
-import asyncio, atexit, contextlib, ctypes, difflib, functools, gc, importlib, inspect, itertools, json, logging
-import math, multiprocessing, multiprocessing.connection, numbers, os, pathlib, re, shutil, signal, socket, subprocess
-import sys, tempfile, threading, time, traceback, warnings
+import asyncio, atexit, contextlib, difflib, functools, gc, importlib, inspect, itertools, json, logging
+import math, multiprocessing, multiprocessing.connection, numbers, os, pathlib, re, select, shutil, signal, socket
+import subprocess, sys, tempfile, threading, time, traceback, warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -1140,7 +1140,7 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
             ((result, why),) = run.runner([(trl_call, (fn, dict(kwargs, completion_ids=completion_ids)), {})])
             values, metrics, extra = result or (None, {}, {})
             if why is None and not (isinstance(values, (list, tuple)) and len(values) == len(rows)):
-                why = f"returned {type(values).__name__} {values!r:.50}, not a list of {len(rows)} values"
+                why = f"returned {type(values).__name__} {quote(values)}, not a list of {len(rows)} values"
             results = [(None, why)] * len(rows) if why else [(value, None) for value in values]
             for j, sample in enumerate(samples):  # what it logged: a metric per call, a column value per sample
                 sample.metrics.update({k: float(v) for k, v in metrics.items() if not not_finite(v)})
@@ -1167,8 +1167,17 @@ def trl_call(fn: Callable, kwargs: dict) -> tuple:
 
 def not_finite(value) -> Optional[str]:
     """Why a reward is not a finite number, else None."""
-    finite = isinstance(value, numbers.Real) and math.isfinite(value)
-    return None if finite else f"returned {value!r}, not a finite number"
+    with contextlib.suppress(OverflowError):  # an int too large for a float
+        if isinstance(value, numbers.Real) and math.isfinite(value):
+            return None
+    return f"returned {quote(value)}, not a finite number"
+
+
+def quote(value) -> str:
+    """The start of repr(value): a message never carries a huge value (and a repr that fails gives the type)."""
+    with contextlib.suppress(Exception):
+        return f"{value!r:.50}"
+    return type(value).__name__
 
 
 def warn_failures(errors: list[str], n: int) -> None:
@@ -1256,32 +1265,49 @@ def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
     try:
         return fn(*args, **kwargs), None
     except Exception as e:
-        return None, f"raised {type(e).__name__}: {e}"
+        return None, f"raised {type(e).__name__}: {first_line(e):.100}"
 
 
-def serve(conn) -> None:
-    """A worker: calls in, (result, why) out, until the run closes its end; killed with the forkserver (Linux)."""
-    if sys.platform == "linux":  # prctl(PR_SET_PDEATHSIG, SIGKILL): a hung call never outlives the run
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+def serve(conn, run_pid: int) -> None:
+    """A worker: calls in, (result, why) out, until the run closes its end. It leads a process group (what its calls
+    start joins it), killed with the run however the run ends (Linux). It ignores SIGINT and SIGTERM by a handler that
+    does nothing: a program a call runs gets the default ones (SIG_IGN would be inherited)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: None)
+    os.setpgrp()
+
+    def end_with_the_run(pidfd: int) -> None:  # kill -9 of it included
+        select.select([pidfd], [], [])
+        os.killpg(0, signal.SIGKILL)
+
+    if hasattr(os, "pidfd_open"):
+        threading.Thread(target=end_with_the_run, args=(os.pidfd_open(run_pid),), daemon=True).start()
     conn.send("ready")
     with contextlib.suppress(EOFError):
         while True:
-            conn.send(safe_call(*conn.recv()))
+            result = safe_call(*conn.recv())
+            try:
+                conn.send(result)
+            except Exception as e:  # a lock, a lambda: pickling fails before anything is sent
+                conn.send((None, f"returned {quote(result[0])}, which cannot be sent back ({type(e).__name__})"))
 
 
 class Runner:
     """Runs rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)]: in this process, or, with a time
-    limit, in worker processes, one call each at a time; one past its limit or dead is replaced. The workers ignore
-    SIGINT and SIGTERM, which a stop reaches every process of a job with: they finish the step's calls."""
+    limit, in worker processes, one call each at a time; one past its limit or dead is replaced, with what its call
+    started. The workers ignore SIGINT and SIGTERM, which a stop reaches every process of a job with: they finish the
+    step's calls. A batch whose first 2 x workers calls all time out does not run the rest (a few limits, not one a
+    call)."""
 
     def __init__(self, timeout_s: Optional[float], modules: list[str] = ()):
         self.timeout_s, self.workers = timeout_s, []
         if timeout_s:
             # forkserver: workers are never forked from this process, with its engine and collective threads. The
             # server, started now, imports grpo and the rewards' modules first: no call spends its time importing.
-            # The signals ignored here stay ignored in it, and in each worker it forks.
+            # `python grpo.py` is __main__, which every worker runs again (as __mp_main__): cheap, once it is imported.
             self.context = multiprocessing.get_context("forkserver")
-            self.context.set_forkserver_preload(sorted({__name__, *modules}))
+            main = pathlib.Path(getattr(sys.modules["__main__"], "__file__", "__main__")).stem
+            self.context.set_forkserver_preload(sorted({main if m == "__main__" else m for m in (__name__, *modules)}))
             handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
             cores = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             self.workers = [self.start() for _ in range(max(1, min(8, cores)))]
@@ -1291,46 +1317,59 @@ class Runner:
 
     def start(self) -> tuple:
         here, there = self.context.Pipe()
-        worker = self.context.Process(target=serve, args=(there,), daemon=True)
+        worker = self.context.Process(target=serve, args=(there, os.getpid()), daemon=True)
         worker.start()
         there.close()
         here.recv()  # once the server has imported the modules (the first worker waits for that)
         return worker, here
 
+    def kill(self, w: int) -> int:
+        """Kills worker w and what its calls started -> its exit code."""
+        worker = self.workers[w][0]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.join()
+        return worker.exitcode
+
     def __call__(self, calls: list[tuple]) -> list[tuple]:
         if not self.timeout_s:
             return [safe_call(*call) for call in calls]
+        late = f"gave no result within env.reward_timeout_s={self.timeout_s}"
         results, todo, busy = [None] * len(calls), list(range(len(calls)))[::-1], {}  # busy: {worker: (call, deadline)}
+        hung, answered = 0, False  # the calls past the limit, and whether any ended otherwise
         while todo or busy:
+            if hung >= 2 * len(self.workers) and not answered:  # it hangs every time: the rest would too
+                for i in todo:
+                    results[i] = None, f"not run: the {hung} calls before it {late}"
+                todo = []
             for w in range(len(self.workers)):
                 if w not in busy and todo:
                     if not self.workers[w][0].is_alive():  # killed while idle (from outside): not the call's doing
+                        self.kill(w)
                         self.workers[w] = self.start()
                     busy[w] = todo.pop(), time.monotonic() + self.timeout_s
                     with contextlib.suppress(ConnectionError):  # it died since: its end reads EOF below
                         self.workers[w][1].send(calls[busy[w][0]])
-            soonest = min(deadline for _, deadline in busy.values())
-            ready = multiprocessing.connection.wait([self.workers[w][1] for w in busy], soonest - time.monotonic())
+            soonest = min([deadline for _, deadline in busy.values()], default=0)
+            multiprocessing.connection.wait([self.workers[w][1] for w in busy], soonest - time.monotonic())
             for w, (i, deadline) in list(busy.items()):
-                worker, conn = self.workers[w]
-                if conn in ready:
+                ended = self.workers[w][1].poll()  # now: starting a worker below takes time, the others go on
+                if ended:
                     with contextlib.suppress(EOFError, ConnectionError):  # it ended its worker (os._exit, a crash)
-                        results[i] = conn.recv()
+                        results[i] = self.workers[w][1].recv()
                 elif time.monotonic() < deadline:
                     continue
                 del busy[w]
+                hung, answered = hung + (not ended), answered or ended
                 if results[i] is None:  # past its limit, or its worker died: a new worker takes its place
-                    worker.kill()
-                    worker.join()
-                    late = f"gave no result within env.reward_timeout_s={self.timeout_s}"
-                    results[i] = None, f"ended its worker (exit code {worker.exitcode})" if conn in ready else late
+                    code = self.kill(w)
+                    results[i] = None, f"ended its worker (exit code {code})" if ended else late
                     self.workers[w] = self.start()
         return results
 
     def close(self) -> None:
-        for worker, _ in self.workers:
-            worker.kill()
-            worker.join()
+        for w in range(len(self.workers)):
+            self.kill(w)
         self.workers = []
 
 
@@ -1461,8 +1500,10 @@ def find_resume_checkpoint(cfg: Config) -> Optional[str]:
 
 
 def changed_keys(path: str, cfg: Config, prefixes: list[str]) -> list[str]:
-    """'key: saved -> now' for each key under one of the prefixes that differs from the checkpoint's config."""
-    saved, now = flatten(read_yaml(os.path.join(path, "config.yaml"))), flatten(cfg)
+    """'key: saved -> now' for each key under one of the prefixes that differs from the checkpoint's config (a key it
+    lacks, added to grpo.py since, counts as its default)."""
+    saved = flatten(read_yaml(CONFIG_YAML)) | flatten(read_yaml(os.path.join(path, "config.yaml")))  # older: defaults
+    now = flatten(cfg)
     keys = [k for k in now if k.startswith(tuple(prefixes))]
     return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in keys if saved.get(k) != now[k]]
 
@@ -1665,8 +1706,9 @@ class Config(dict):
 
 def knob_rules(path: str) -> dict[str, str]:
     """{key: rule} from config.yaml, where a knob's comment opens with its rule in backticks when its default cannot
-    say it all: a range (`> a`, `>= a`, `in [a, b)`), the allowed values, a null default's type, or `or null`. Without
-    one, a knob takes its default's type, a number must be > 0 (>= 0 where its default is 0), a null default is a str."""
+    say it all: a type first (a null default's; `float >= 1`), a range (`> a`, `>= a`, `in [a, b)`), the allowed
+    values, `or null`. Without one, a knob takes its default's type, a number must be > 0 (>= 0 where its default is
+    0), a null default is a str."""
     rules, keys = {}, []
     with open(path) as f:
         for line in f:
@@ -1690,10 +1732,8 @@ def check_knob(key: str, value, default):
     number = type(default) in (int, float)
     rule = RULES.get(key, ("> 0" if default else ">= 0") if number else "str" if default is None else "")
     condition, nullable = rule.removesuffix("or null").strip(), default is None or rule.endswith("or null")
-    kind = type(default)
-    if default is None:
-        type_name, _, condition = condition.partition(" ")
-        kind = {"int": int, "float": float, "str": str, "list": list}[type_name]
+    kinds, (first, _, rest) = {"int": int, "float": float, "str": str, "list": list}, condition.partition(" ")
+    kind, condition = (kinds[first], rest) if first in kinds else (type(default), condition)  # `float >= 1`: any knob
     if isinstance(value, CommandLineValue):
         parsed = str(value)  # if it is not YAML at all: fine for a str knob, refused as the wrong type for others
         with contextlib.suppress(yaml.YAMLError):
@@ -1995,7 +2035,7 @@ class Run:
     reference: Any = None  # frozen initial policy for the KL term; None without one
     optimizer: Optional[torch.optim.AdamW] = None
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
-    failing: dict = field(default_factory=dict)  # {what failed all of a step (a reward, non-finite updates): steps}
+    failing: dict = field(default_factory=dict)  # {(what failed all of a step on a rank, the rank): steps in a row}
 
 
 def train(cfg: Config) -> None:
@@ -2070,15 +2110,16 @@ def setup(cfg: Config) -> Run:
         train_rows, val_rows = load_datasets(cfg)
         make_env, reward_fns = get_scoring(cfg)
         train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
-        val_rows, _ = tokenize_prompts(val_rows, tokenizer, cfg)
+        val_rows, val_dropped = tokenize_prompts(val_rows, tokenizer, cfg)
         if not train_rows:
             raise ConfigError("data: no prompt fits policy.max_total_sequence_length - generation.max_new_tokens")
         if g.max_num_epochs:  # as NeMo-RL: max_num_steps or max_num_epochs passes (steps rounded up), whichever first
             g.max_num_steps = min(g.max_num_steps, -(-g.max_num_epochs * len(train_rows) // g.num_prompts_per_step))
         if (g.val_period or g.val_at_start or g.val_at_end) and len(val_rows) < dist.get_world_size():
             raise ConfigError(
-                f"data: {len(val_rows)} validation prompts, fewer than the {dist.get_world_size()} ranks: set "
-                "data.val_dataset_name, or turn validation off (grpo.val_period=0 grpo.val_at_end=false)"
+                f"data: {len(val_rows)} validation prompts ({val_dropped} dropped as too long), fewer than the "
+                f"{dist.get_world_size()} ranks: set data.val_dataset_name, or turn validation off "
+                "(grpo.val_period=0 grpo.val_at_end=false)"
             )
         resume_from = find_resume_checkpoint(cfg)
     except ConfigError as e:
@@ -2109,7 +2150,8 @@ def setup(cfg: Config) -> Run:
     print0(
         f"model {cfg.policy.model_name}, {dist.get_world_size()} rank(s) on {device().type}, backend "
         f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
-        f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation"
+        f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation "
+        f"({val_dropped} dropped)"
     )
     run.engine = engine or HFEngine(run.policy, tokenizer, cfg)
     for signum in (signal.SIGTERM, signal.SIGINT):  # from here on a signal stops the run at the end of a step
@@ -2166,14 +2208,16 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     skipped = metrics["train/skipped_updates"]
     if skipped:
         print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
-    # What failed all step, as every rank sees it: a reward function or environment on every sample of all ranks, or
-    # the updates (by the global gradient norm).
-    failed = set.intersection(*(set(s["errors"]) for s in samples))
-    failed |= {"non-finite loss or gradients"} if skipped else set()
-    run.failing, errors = {what: run.failing.get(what, 0) + 1 for what in failed}, samples[-1]["errors"]
-    for what, steps in run.failing.items():
+    # What failed all step, as every rank sees it: a reward function or environment on every sample of a rank (a
+    # missing dependency on one node), or the updates (by the global gradient norm).
+    ranks = [samples[r : r + len(batch.rewards)] for r in range(0, len(samples), len(batch.rewards))]
+    failed = {(what, r) for r, mine in enumerate(ranks) for what in set.intersection(*(set(s["errors"]) for s in mine))}
+    failed |= {("non-finite loss or gradients", 0)} if skipped else set()
+    run.failing = {key: run.failing.get(key, 0) + 1 for key in failed}
+    for (what, r), steps in sorted(run.failing.items()):
         if steps >= g.max_consecutive_nonfinite:
-            why = f"{what} failing on every sample ({errors[what]})" if what in errors else what
+            errors = ranks[r][-1]["errors"]
+            why = f"{what} failing on every sample of rank {r} ({errors[what]})" if what in errors else what
             stop_run(f"{steps} steps in a row with {why} (grpo.max_consecutive_nonfinite)")
 
 

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 import weakref
@@ -507,6 +508,21 @@ def test_config_errors_in_process():
     assert grpo.load_config([]).policy.model_name == "Qwen/Qwen2.5-1.5B-Instruct"  # config.yaml as is
 
 
+def test_a_forks_knob_takes_the_rule_grammar_config_yaml_uses(tmp_path, monkeypatch):
+    """A forker adds a knob with a default and a typed range, as grpo.batch_multiplier's: `float >= 1`."""
+    fork = open(grpo.CONFIG_YAML).read()
+    fork = fork.replace("grpo:\n", "grpo:\n  my_scale: 2.0  # `float >= 1` how much to scale by\n", 1)
+    (tmp_path / "config.yaml").write_text(fork)
+    monkeypatch.setattr(grpo, "RULES", grpo.knob_rules(str(tmp_path / "config.yaml")))
+    defaults = grpo.read_yaml(str(tmp_path / "config.yaml"))
+    defaults.pop("tiny_debug_preset")
+    assert grpo.build_config(defaults, {}).grpo.my_scale == 2.0  # its own default
+    value = grpo.CommandLineValue("3")
+    assert grpo.build_config(defaults, {"grpo": {"my_scale": value}}).grpo.my_scale == 3.0
+    with pytest.raises(grpo.ConfigError, match="grpo.my_scale must be >= 1, got 0.5"):
+        grpo.build_config(defaults, {"grpo": {"my_scale": 0.5}})
+
+
 def test_partial_rollouts_and_the_batch_multiplier_refuse_what_cannot_work():
     """Groups in flight beyond a step's and within the age limit; one turn; a multiplier only where it means something."""
     for extra in (["grpo.batch_multiplier=1"], ["grpo.batch_multiplier=3"]):  # a value given wins: 1x, 3x refused
@@ -667,8 +683,11 @@ def one_line_errors(tmp_path_factory) -> tuple:
         "no_checkpoint_dir": TINY + [log, "checkpointing.checkpoint_dir=/proc/grpo-checkpoints"],
         "no_hub_dataset": TINY + ["data.dataset_name=nobody/no-such-dataset", log],
         "bad_key": ["grpo.num_prompts_per_stp=4"],
+        "long_val_prompts": TINY + [f"data.val_dataset_name={tmp}/long.jsonl", log],
         "gpu_unseen": TINY + [f"data.dataset_name={tmp}/nope.jsonl", log],  # with a stand-in nvidia-smi listing 2 GPUs
     }
+    rows = [{"question": "Repeat the letter a. " * 10, "answer": "a"}] * 3  # longer than 64 - 16 tokens
+    (tmp / "long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (tmp / "bin").mkdir()
     (tmp / "bin" / "nvidia-smi").write_text(
         "#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-1)'\necho 'GPU 1: NVIDIA H200'\n"
@@ -962,6 +981,12 @@ def test_a_gpu_machine_whose_torch_sees_no_gpu_exits_with_one_line(one_line_erro
     assert grpo.check_gpus() is None  # hidden: the run goes on
 
 
+def test_validation_prompts_all_too_long_exit_with_one_line_that_says_so(one_line_errors):
+    assert one_line(one_line_errors[0]["long_val_prompts"]).startswith(
+        "config error: data: 0 validation prompts (3 dropped as too long), fewer than the 1 ranks"
+    )
+
+
 def test_bad_key_exits_with_one_line(one_line_errors):
     assert one_line(one_line_errors[0]["bad_key"]) == (
         "config error: unknown config key 'grpo.num_prompts_per_stp' (did you mean 'grpo.num_prompts_per_step'?)"
@@ -1112,7 +1137,8 @@ def test_a_run_ends_after_max_num_epochs(tmp_path):
     path.write_text("".join(path.read_text().splitlines(keepends=True)[:5]))  # 5 rows: none held out, for 2 ranks
     result = run(["grpo.py"] + TINY + data + ["grpo.max_num_steps=1"], ranks=2)
     assert (
-        result.returncode != 0 and "config error: data: 0 validation prompts, fewer than the 2 ranks" in result.stderr
+        result.returncode != 0
+        and "config error: data: 0 validation prompts (0 dropped as too long), fewer than the 2 ranks" in result.stderr
     )
 
 
@@ -1264,6 +1290,126 @@ def test_reward_workers_are_ready_before_the_first_call(dist_world):
     assert not any(worker.is_alive() for worker in workers)
 
 
+def huge_string_reward(prompt, completion, answer):
+    return "x" * 10_000_000
+
+
+def lock_reward(prompt, completion, answer):
+    return threading.Lock()
+
+
+def sleeps_or_ends_its_worker(prompt, completion, answer):
+    """A second, then a result; or at once, the end of its worker."""
+    if completion == "crash":
+        os._exit(3)
+    time.sleep(1.0)
+    return 1.0
+
+
+def starts_sleep(prompt, completion, answer):
+    """Starts a program and leaves it behind; hangs on 'hang'."""
+    pid = subprocess.Popen(["sleep", "4242"]).pid
+    if completion == "hang":
+        time.sleep(600)
+    return pid
+
+
+def sleeps_left() -> list[int]:
+    """The `sleep 4242` processes alive (those starts_sleep and the hostile module start)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if pathlib.Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x004242\x00":
+                pids.append(int(pid))
+    return pids
+
+
+def ignored_signals(pid: int) -> set:
+    """Which of SIGINT and SIGTERM a process ignores, from /proc."""
+    mask = int(re.search(r"SigIgn:\s*(\w+)", pathlib.Path(f"/proc/{pid}/status").read_text())[1], 16)
+    return {s for s in (signal.SIGINT, signal.SIGTERM) if mask >> (s - 1) & 1}
+
+
+def test_hostile_rewards_in_workers_cost_a_few_limits_and_leave_nothing(dist_world, capfd):
+    """What users' rewards do in the workers: hang on every call, return 10 MB or a lock, end their worker while
+    another call's result arrives, start programs and leave them."""
+    runner = grpo.Runner(1.0, ["test_grpo"])  # 2 workers here
+    start = time.perf_counter()
+    results = runner([(time.sleep, (600,), {})] * 40)
+    took = time.perf_counter() - start
+    late = "gave no result within env.reward_timeout_s=1.0"
+    assert results == [(None, late)] * 4 + [(None, f"not run: the 4 calls before it {late}")] * 36 and took < 4
+    rewards, samples = score([(huge_string_reward, 1.0), (lock_reward, 1.0)], ["a", "b"], runner=runner)
+    err = capfd.readouterr().err
+    assert rewards == [0.0, 0.0] and len(err) < 1000 and "Traceback" not in err, err[:3000]
+    errors = samples[0].errors
+    assert errors["huge_string_reward"] == f"returned {repr('x' * 60)[:50]}, not a finite number"
+    assert re.fullmatch(
+        r"returned <unlocked _thread.lock object at 0x\w+>, which cannot be sent back \(TypeError\)",
+        errors["lock_reward"],
+    )
+    # A worker slow to start (as each was under `python grpo.py`): a result that arrives meanwhile is kept.
+    slow_start = runner.start
+    runner.start = lambda: time.sleep(2) or slow_start()
+    assert score([(sleeps_or_ends_its_worker, 1.0)], ["crash", "ok"], runner=runner)[0] == [0.0, 1.0]
+    assert "ended its worker (exit code 3)" in capfd.readouterr().err
+    runner.start = slow_start
+    (pid, _), (_, why) = runner([(starts_sleep, (None, "ok", None), {}), (starts_sleep, (None, "hang", None), {})])
+    assert why == late and sleeps_left() == [pid], "the timed-out call's program outlived it"
+    assert ignored_signals(pid) == set()  # a program a call runs takes SIGTERM and SIGINT
+    runner.close()
+    time.sleep(0.1)
+    assert sleeps_left() == [], "what a reward left behind outlived the run"
+
+
+HOSTILE = """
+import os, subprocess, time
+
+
+def ends_its_worker(prompt, completion, answer):
+    os._exit(3)
+
+
+def starts_sleep_and_hangs(prompt, completion, answer):
+    subprocess.Popen(["sleep", "4242"])
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_hostile_rewards_under_python_grpo_py(tmp_path):
+    """Under `python grpo.py` (grpo is __main__): a reward that ends its worker on every call costs a new worker each,
+    started in a blink (before: grpo.py and torch imported again, 3.5-6.5 s each); one that starts a program and hangs
+    costs a few limits a step, its programs end with its calls, and after kill -9 of the run nothing of it is left."""
+    (tmp_path / "hostile.py").write_text(HOSTILE)
+    common = TINY + ["grpo.val_period=0", "grpo.val_at_end=false", "checkpointing.enabled=false"]
+    ends = ["env.reward_fn=hostile:ends_its_worker", "env.reward_timeout_s=10", "grpo.max_num_steps=1"]
+    hangs = ["env.reward_fn=hostile:starts_sleep_and_hangs", "env.reward_timeout_s=2", "grpo.max_num_steps=3"]
+    runs = {}
+    for name, args in (("ends", ends), ("hangs", hangs)):  # together, each marked as a job
+        env = {**clean_env(), "PYTHONPATH": str(tmp_path), "STOP_COUNT": str(tmp_path / name)}
+        command = [sys.executable, "grpo.py"] + common + args + [f"logger.log_dir={tmp_path / name}"]
+        with open(tmp_path / f"{name}.err", "w") as err:
+            runs[name] = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.time() + 300
+    while not (tmp_path / "hangs" / "metrics.jsonl").exists() or not sleeps_left():  # step 2's calls hang
+        assert time.time() < deadline and runs["hangs"].poll() is None, (tmp_path / "hangs.err").read_text()[-3000:]
+        time.sleep(0.2)
+    step = read_metrics(tmp_path / "hangs")[0]
+    assert step["timing/train/generation"] < 5 * 2  # 128 calls: 2 rounds of 2 workers x the 2 s limit, not 64 rounds
+    assert len(sleeps_left()) <= 2 and ignored_signals(sleeps_left()[0]) == set()  # step 1's ended with its calls
+    runs["hangs"].kill()
+    runs["hangs"].wait()
+    killed = time.time()
+    while job_processes(tmp_path / "hangs") and time.time() < killed + 5:
+        time.sleep(0.1)
+    assert not job_processes(tmp_path / "hangs"), "a process of the killed run is left after 5 s"
+    assert runs["ends"].wait(timeout=600) == 0, (tmp_path / "ends.err").read_text()[-3000:]
+    generation = read_metrics(tmp_path / "ends")[0]["timing/train/generation"]
+    print(f"128 workers ended and replaced in a {generation:.1f} s generation phase")
+    assert "ended its worker (exit code 3)" in (tmp_path / "ends.err").read_text() and generation < 60  # before: ~224 s
+
+
 def job_processes(stop_count) -> list[int]:
     """The processes of a job (Slurm's view: its cgroup): here, each one whose environment holds this STOP_COUNT."""
     marker, pids = f"STOP_COUNT={stop_count}".encode(), []
@@ -1362,18 +1508,24 @@ def test_a_stop_to_the_whole_job_under_torchrun_during_validation_finishes_the_s
     assert read_metrics(tmp_path)[0]["train/reward"] == read_metrics(two_rank_runs[0])[0]["train/reward"]
 
 
-def always_failing_reward(prompt, completion, answer):
-    raise RuntimeError("no grader")
+def needs_a_grader_on_rank_1(prompt, completion, answer):
+    """debug_reward, but rank 1's node lacks the package it imports."""
+    if os.environ["RANK"] == "1":
+        import no_such_grader  # noqa: F401
+    return grpo.debug_reward(prompt, completion, answer)
 
 
 @pytest.mark.slow
-def test_a_reward_failing_on_every_sample_stops_the_run_after_three_steps(tmp_path):
-    result = run(["grpo.py"] + TINY + ["env.reward_fn=test_grpo:always_failing_reward", f"logger.log_dir={tmp_path}"])
-    assert result.returncode == 1 and [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: 3 steps in a row with always_failing_reward failing on every sample (raised RuntimeError: no grader)"
-        " (grpo.max_consecutive_nonfinite)"
-    )
+def test_a_reward_failing_on_every_sample_of_one_rank_stops_the_run_after_three_steps(tmp_path):
+    """Rank 1's half of every batch would train on zeros for good: the run stops, naming the rank."""
+    args = TINY + ["env.reward_fn=test_grpo:needs_a_grader_on_rank_1", "env.reward_timeout_s=10", "grpo.val_period=0"]
+    result = run(["grpo.py"] + args + [f"logger.log_dir={tmp_path}"], ranks=2)
+    assert result.returncode != 0 and [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
+    assert read_metrics(tmp_path)[0]["train/reward"] > 0  # rank 0's samples are scored
+    assert (
+        "error: 3 steps in a row with needs_a_grader_on_rank_1 failing on every sample of rank 1 (raised "
+        "ModuleNotFoundError: No module named 'no_such_grader') (grpo.max_consecutive_nonfinite)"
+    ) in result.stderr.splitlines()
 
 
 @pytest.mark.slow
@@ -1460,6 +1612,21 @@ def test_a_half_removed_checkpoint_is_not_counted(dist_world, tmp_path):
     assert grpo.find_resume_checkpoint(cfg) == str(tmp_path / "step_3")
     grpo.prune_checkpoints(cfg.checkpointing)
     assert sorted(os.listdir(tmp_path)) == ["step_1", "step_3"]  # step_1 is not a checkpoint: left alone
+
+
+def test_a_checkpoint_of_an_older_grpo_py_resumes(dist_world, tmp_path):
+    """Its config lacks the knobs added since (data.shuffle here): each counts as its default; a change still stops."""
+    cfg = grpo.load_config(TINY + [f"checkpointing.checkpoint_dir={tmp_path}"])
+    older = json.loads(json.dumps(cfg))
+    del older["data"]["shuffle"]
+    (tmp_path / "step_2" / "policy").mkdir(parents=True)
+    (tmp_path / "step_2" / "policy" / ".metadata").write_text("")
+    (tmp_path / "step_2" / "training_info.json").write_text(json.dumps({"step": 2}))
+    (tmp_path / "step_2" / "config.yaml").write_text(json.dumps(older))
+    assert grpo.find_resume_checkpoint(cfg) == str(tmp_path / "step_2")
+    cfg.data.shuffle = False
+    with pytest.raises(grpo.ConfigError, match="different data.shuffle: True -> False"):
+        grpo.find_resume_checkpoint(cfg)
 
 
 # ------------------------------------------------------------------------------------------------------
