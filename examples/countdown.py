@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from grpo import extract_boxed
+from plumbing import extract_boxed
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 

@@ -23,7 +23,7 @@ import sys
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo  # noqa: E402
+import plumbing  # noqa: E402
 
 RENAMED = {  # by prefix: NeMo-RL's key -> grpo.py's
     "policy.optimizer.kwargs.": "policy.optimizer.",  # lr, weight_decay, betas, eps
@@ -78,11 +78,11 @@ def interpolate(value, root: dict, key: str, path: str):
 
 def convert(recipe: dict, path: str) -> tuple[dict, dict]:
     """-> ({grpo.py key: (value, NeMo-RL key)}, {NeMo-RL key: why it is left out})."""
-    defaults = grpo.flatten(grpo.read_yaml(os.path.join(os.path.dirname(grpo.__file__), "config.yaml")))
+    defaults = plumbing.flatten(plumbing.read_yaml(plumbing.CONFIG_YAML))
     policy = recipe.get("policy") or {}
     if isinstance(policy.get("scheduler"), list):  # a list of schedulers: by index
         policy["scheduler"] = {str(i): s for i, s in enumerate(policy["scheduler"])}
-    flat, taken, left_out = grpo.flatten(recipe), {}, {}
+    flat, taken, left_out = plumbing.flatten(recipe), {}, {}
     for key, value in flat.items():
         target = next((new + key[len(old) :] for old, new in RENAMED.items() if key.startswith(old)), key)
         if target == "policy.optimizer.warmup_steps" and "LinearLR" not in str(flat.get("policy.scheduler.0.name")):
@@ -98,8 +98,8 @@ def convert(recipe: dict, path: str) -> tuple[dict, dict]:
             with open(value) as f:
                 value = f.read()
         try:
-            taken[target] = (grpo.check_knob(target, value, defaults[target]), key)
-        except grpo.ConfigError as e:
+            taken[target] = (plumbing.check_knob(target, value, defaults[target]), key)
+        except plumbing.ConfigError as e:
             left_out[key] = str(e)
     if taken.get("checkpointing.metric_name", (None,))[0] == "val:accuracy":  # NeMo-RL's name for grpo.py's default
         left_out[taken.pop("checkpointing.metric_name")[1]] = "NeMo-RL's val:accuracy is grpo.py's val_reward"
@@ -136,13 +136,13 @@ def main(argv: list[str]) -> str:
     path, overrides = argv[0], [arg.partition("=") for arg in argv[1:]]
     recipe = read(path)
     for key, _, value in overrides:  # before the interpolations, as NeMo-RL applies its command line
-        recipe = merge(recipe, grpo.nested(key, yaml.safe_load(value)))
+        recipe = merge(recipe, plumbing.nested(key, yaml.safe_load(value)))
     taken, left_out = convert(recipe, path)
     tree: dict = {}
     for target, item in taken.items():
         *sections, name = target.split(".")
         functools.reduce(lambda d, part: d.setdefault(part, {}), sections, tree)[name] = item
-    flat = grpo.flatten(recipe)
+    flat = plumbing.flatten(recipe)
     lines = [f"# grpo.py recipe from the NeMo-RL config {path} (tools/nemo_rl_config.py): each value's NeMo-RL key"]
     lines += emit(tree) + ["# left out:"]
     for shown, why in {section(key, left_out, flat): why for key, why in left_out.items()}.items():

