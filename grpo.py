@@ -410,16 +410,20 @@ def plan_micro_batches(
     input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg: plumbing.Config, kind: str
 ):
     """Yields the micro-batches of `rows` for 'train' or 'logprob': (row indices [mbs], width without padding)."""
-    p = cfg.policy
-    size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
-    # Unset: a micro-batch of full-length samples on CUDA; on CPU, where attention over the packed row's dense mask
-    # costs most, 512 tokens (the fastest budget measured on SmolLM2, docs/speed.md).
-    default = size * p.max_total_sequence_length if torch.cuda.is_available() else 512
-    budget = p.sequence_packing[f"{kind}_mb_tokens"] or default
     lengths = sample_lengths(token_mask[rows])
     shared = shared_prompt_lengths(input_ids[rows], token_mask[rows])
-    for group in micro_batches(lengths.tolist(), shared.tolist(), budget):
+    for group in micro_batches(lengths.tolist(), shared.tolist(), token_budget(cfg, kind)):
         yield rows[group], max(lengths[group].tolist(), default=1)
+
+
+def token_budget(cfg: plumbing.Config, kind: str) -> int:
+    """A micro-batch's tokens for 'train' or 'logprob'. Unset: a micro-batch of full-length samples on CUDA; on CPU,
+    where attention over the packed row's dense mask costs most, 512 (the fastest measured on SmolLM2, docs/speed.md)."""
+    p = cfg.policy
+    size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
+    return p.sequence_packing[f"{kind}_mb_tokens"] or (
+        size * p.max_total_sequence_length if torch.cuda.is_available() else 512
+    )
 
 
 def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: plumbing.Config) -> torch.Tensor:
@@ -879,9 +883,8 @@ def set_adapters(model, enabled: bool) -> None:
             m.enabled = enabled
 
 
-def load_policy(path: str, cfg: plumbing.Config, trainable: bool):
+def load_policy(path: str, cfg: plumbing.Config, trainable: bool, auto=transformers.AutoModelForCausalLM):
     """HF model -> FSDP2 (a unit per decoder layer), built on the meta device; rank 0 reads, broadcasts."""
-    auto = transformers.AutoModelForCausalLM
     with torch.device("meta"):  # sdpa: it takes packing's [N, N] mask
         config = transformers.AutoConfig.from_pretrained(path)
         model = auto.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
@@ -1007,7 +1010,12 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
     names = [getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__) for fn, _ in run.reward_fns]
     for k, ((fn, weight), name) in enumerate(zip(run.reward_fns, names)):
         name = name if names.count(name) == 1 else f"{name}_{k}"
-        if "completions" in inspect.signature(fn).parameters:
+        if isinstance(fn, RewardModel):
+            values, cut = fn(rows, texts)
+            results = [(value, None) for value in values]
+            for sample, c in zip(samples, cut):
+                sample.metrics[f"{name}/truncated"] = float(c)  # the share of samples cut to its positions
+        elif "completions" in inspect.signature(fn).parameters:
             keys = dict.fromkeys(k for r in rows for k in r["columns"])  # every field of the rows (JSONL rows vary)
             columns = {k: [r["columns"].get(k) for r in rows] for k in keys if k not in ("prompt", "completion")}
             messages = [[{"role": "assistant", "content": text}] for text in texts]
@@ -1046,10 +1054,49 @@ def get_scoring(cfg: plumbing.Config) -> tuple[Optional[Callable[[dict], Any]], 
     """(row -> a new environment, or None: one turn) and the (reward function, weight) pairs that score a turn:
     env.environment and env.reward_fn, else the debug task's reward, else math_reward."""
     make_env = plumbing.import_object(cfg.env.environment, "env.environment") if cfg.env.environment else None
-    functions = [plumbing.import_object(spec, "env.reward_fn") for spec in cfg.env.reward_fn or []]
+    specs = cfg.env.reward_fn or []
+    functions = [plumbing.import_object(s, "env.reward_fn") if ":" in s else RewardModel(s, cfg) for s in specs]
     if not functions:
         return make_env, [(debug_reward if cfg.data.dataset_name == "debug" else math_reward, 1.0)]
     return make_env, list(zip(functions, cfg.env.reward_weights or [1.0] * len(functions)))
+
+
+class RewardModel:
+    """A learned reward (RLHF): a sequence classifier with one output, named in env.reward_fn by its directory or hub
+    name. Frozen, in the policy's precision and sharded with FSDP2 like the reference policy (setup loads it); it
+    scores in the trainer's processes, its raw output (no sigmoid)."""
+
+    def __init__(self, path: str, cfg: plumbing.Config):
+        self.path, self.__name__, self.cfg, self.model = path, os.path.basename(path.rstrip("/")), cfg, None
+        self.tokenizer, config = plumbing.load_model_files(path, "env.reward_fn")
+        classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+        if not classifier or config.num_labels != 1:
+            why = f"{config.num_labels} outputs" if classifier else f"a {', '.join(config.architectures or ['model'])}"
+            raise plumbing.ConfigError(f"env.reward_fn: {path} is not a sequence classifier with one output ({why})")
+        self.tokenizer.pad_token = self.tokenizer.pad_token or self.tokenizer.eos_token  # none: its EOS, as TRL
+
+    def __call__(self, rows: list[dict], texts: list[str]) -> tuple[list[float], list[bool]]:
+        """Each (prompt, completion) as chat messages through its own tokenizer and template (else the two texts),
+        in micro-batches of the logprob budget, as many on every rank -> scores, and which were cut to its positions
+        (their first tokens dropped)."""
+        tok, limit = self.tokenizer, self.model.config.max_position_embeddings
+        if tok.chat_template:  # the policy's tokens decoded, then its own: the tokenizers may differ
+            chats = [
+                [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": t}]
+                for r, t in zip(rows, texts)
+            ]
+            ids = [tok.apply_chat_template(chat, return_dict=False) for chat in chats]
+        else:
+            ids = tok([r["prompt"] + text for r, text in zip(rows, texts)])["input_ids"]
+        scores, budget = [], token_budget(self.cfg, "logprob")
+        with torch.no_grad():
+            for group in micro_batches([min(len(i), limit) for i in ids], [0] * len(ids), budget):
+                batch = tok.pad(
+                    {"input_ids": [ids[i][-limit:] for i in group] or [[tok.pad_token_id]]}, return_tensors="pt"
+                )
+                scores += self.model(**batch.to(device())).logits[: len(group), 0].float().tolist()
+        self.model.reshard()
+        return scores, [len(i) > limit for i in ids]
 
 
 def env_step(env, text: str) -> tuple:
@@ -1190,6 +1237,9 @@ def setup(cfg: plumbing.Config) -> Run:
     run.policy = load_policy(path, cfg, trainable=True)
     if cfg.loss_fn.reference_policy_kl_penalty > 0:  # the initial policy: LoRA's base model (adapters off), or a copy
         run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
+    for rm in [fn for fn, _ in reward_fns if isinstance(fn, RewardModel)]:  # sharded like the reference
+        rm.model = load_policy(rm.path, cfg, False, transformers.AutoModelForSequenceClassification)
+        rm.model.config.pad_token_id = rm.tokenizer.pad_token_id
     if engine:
         plumbing.print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
         plumbing.check_refit(

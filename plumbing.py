@@ -173,8 +173,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError("data.prompt_template takes exactly one {} (the problem); write literal braces doubled: {{}}")
     if g.val_greedy and g.val_num_generations_per_prompt > 1:
         raise ConfigError("grpo.val_greedy gives identical samples: use grpo.val_num_generations_per_prompt=1")
-    if not all(isinstance(spec, str) and ":" in spec for spec in cfg.env.reward_fn or []):
-        raise ConfigError("env.reward_fn must be 'module:function', a list of them, or null")
+    if not all(isinstance(spec, str) for spec in cfg.env.reward_fn or []):
+        raise ConfigError("env.reward_fn must be 'module:function' or a reward model, a list of them, or null")
     weights = cfg.env.reward_weights
     if weights is not None and (len(weights) != len(cfg.env.reward_fn or [None]) or any(map(not_finite, weights))):
         raise ConfigError("env.reward_weights must be one number per env.reward_fn")
@@ -245,6 +245,16 @@ def load_config(argv: list[str], world_size: int = 1) -> Config:
     if cfg.checkpointing.checkpoint_dir is None:
         cfg.checkpointing.checkpoint_dir = os.path.join(cfg.logger.log_dir, "checkpoints")
     return cfg
+
+
+def load_model_files(path: str, key: str) -> tuple[Any, Any]:
+    """A model's tokenizer and config, from a local directory or a hub name; one that cannot load: a ConfigError."""
+    if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):  # a path, not a hub name
+        raise ConfigError(f"{key}: no such directory: {path}")
+    try:  # no network, a typo in a hub name
+        return transformers.AutoTokenizer.from_pretrained(path), transformers.AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"{key}: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
 
 
 def import_object(spec: str, key: str) -> Any:
@@ -1011,13 +1021,7 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
         except OSError as e:
             raise ConfigError(f"{key}: cannot write to {where} ({e.strerror or e})")
     path = resolve_model_path(cfg)
-    if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):  # a path, not a hub name
-        raise ConfigError(f"policy.model_name: no such directory: {path}")
-    try:  # no network, a typo in a hub name
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        config = transformers.AutoConfig.from_pretrained(path)
-    except Exception as e:
-        raise ConfigError(f"policy.model_name: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
+    tokenizer, config = load_model_files(path, "policy.model_name")
     lora = cfg.policy.lora
     if lora.enabled and "lm_head" in lora.target_modules and getattr(config, "tie_word_embeddings", False):
         raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")

@@ -26,6 +26,7 @@ import time
 import types
 import weakref
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -697,8 +698,13 @@ def one_line_errors(tmp_path_factory) -> tuple:
         "no_hub_dataset": TINY + ["data.dataset_name=nobody/no-such-dataset", log],
         "bad_key": ["grpo.num_prompts_per_stp=4"],
         "long_val_prompts": TINY + [f"data.val_dataset_name={tmp}/long.jsonl", log],
+        "rm_causal_lm": TINY + [f"env.reward_fn={tmp}/tied", log],
+        "rm_two_labels": TINY + [f"env.reward_fn={tmp}/two-labels", log],
+        "rm_no_dir": TINY + [f"env.reward_fn={tmp}/no-rm", log],
+        "rm_no_hub_model": TINY + ["env.reward_fn=[grpo:debug_reward, nobody/no-such-reward-model]", log],
         "gpu_unseen": TINY + [f"data.dataset_name={tmp}/nope.jsonl", log],  # with a stand-in nvidia-smi listing 2 GPUs
     }
+    train_reward_model(str(tmp / "two-labels"), labels=2, steps=0)
     rows = [{"question": "Repeat the letter a. " * 10, "answer": "a"}] * 3  # longer than 64 - 16 tokens
     (tmp / "long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (tmp / "bin").mkdir()
@@ -1002,6 +1008,19 @@ def test_a_gpu_machine_whose_torch_sees_no_gpu_exits_with_one_line(one_line_erro
 def test_validation_prompts_all_too_long_exit_with_one_line_that_says_so(one_line_errors):
     assert one_line(one_line_errors[0]["long_val_prompts"]).startswith(
         "config error: data: 0 validation prompts (3 dropped as too long), fewer than the 1 ranks"
+    )
+
+
+def test_a_reward_model_that_cannot_score_exits_with_one_line(one_line_errors):
+    """Before training starts: a causal LM, two outputs, a directory that does not exist, a hub name not to be had."""
+    results, tmp = one_line_errors
+    assert one_line(results["rm_causal_lm"]) == (
+        f"config error: env.reward_fn: {tmp}/tied is not a sequence classifier with one output (a LlamaForCausalLM)"
+    )
+    assert one_line(results["rm_two_labels"]).endswith("is not a sequence classifier with one output (2 outputs)")
+    assert one_line(results["rm_no_dir"]) == f"config error: env.reward_fn: no such directory: {tmp}/no-rm"
+    assert one_line(results["rm_no_hub_model"]).startswith(
+        "config error: env.reward_fn: cannot load 'nobody/no-such-reward-model'"
     )
 
 
@@ -3216,6 +3235,117 @@ def test_hf_backend_end_to_end(tmp_path):
     assert metrics[-1]["validation/pass@4"] == pytest.approx(rewards.max(1).values.mean().item())
     assert metrics[-1]["validation/accuracy"] == pytest.approx(rewards.mean().item())
     assert metrics[-1]["validation/pass@4"] > metrics[-1]["validation/accuracy"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# A learned reward model (a sequence classifier), named in env.reward_fn
+# ------------------------------------------------------------------------------------------------------
+
+
+def a_share(text: str) -> float:
+    return text.count("a") / max(len(text), 1)
+
+
+def train_reward_model(path: str, labels: int = 1, steps: int = 300) -> None:
+    """A tiny Llama sequence classifier with tiny-debug's tokenizer, trained here to score a completion by its share
+    of the letter 'a' (what the policy can learn), on chats as grpo.py renders them; `steps=0`: untrained."""
+    base = f"{path}-base"
+    plumbing.build_tiny_debug(base)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    config = transformers.AutoConfig.from_pretrained(base)
+    config.num_labels, config.pad_token_id = labels, tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(config)
+    optimizer, rng = torch.optim.Adam(model.parameters(), lr=3e-3), np.random.default_rng(0)
+    others = list("bcdefghijklmnopqrstuvwxyz .,!")
+    for _ in range(steps):
+        texts = [
+            "".join(np.where(rng.random(n) < q, "a", rng.choice(others, n)))
+            for q, n in zip(rng.random(32), rng.integers(1, 17, 32))
+        ]
+        chats = [
+            [{"role": "user", "content": f"Repeat the letter {c}."}, {"role": "assistant", "content": t}]
+            for c, t in zip("abcd" * 8, texts)
+        ]
+        batch = tokenizer.pad(
+            {"input_ids": [tokenizer.apply_chat_template(c, return_dict=False) for c in chats]}, return_tensors="pt"
+        )
+        loss = torch.nn.functional.mse_loss(model(**batch).logits[:, 0], torch.tensor([a_share(t) for t in texts]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory) -> str:
+    """The trained one: it prefers completions with more 'a'."""
+    path = str(tmp_path_factory.mktemp("rm") / "a-share-rm")
+    train_reward_model(path)
+    return path
+
+
+def test_a_reward_model_scores_each_sample_as_transformers_does(dist_world, tmp_path):
+    """Batched and micro-batched (padded, cut to its positions) as one chat at a time through transformers."""
+    reward_model = str(tmp_path / "a-share-rm")
+    train_reward_model(reward_model, steps=0)
+    cfg = plumbing.load_config(TINY + [f"env.reward_fn={reward_model}", "policy.sequence_packing.logprob_mb_tokens=64"])
+    ((rm, weight),) = grpo.get_scoring(cfg)[1]
+    rm.model = grpo.load_policy(rm.path, cfg, False, transformers.AutoModelForSequenceClassification)
+    rm.model.config.pad_token_id = rm.tokenizer.pad_token_id
+    rows = [{"prompt": f"Repeat the letter {c}."} for c in "abcdabcd"]
+    texts = ["aaaa", "bbbb", "", "a b a b", "a" * 16, "x" * 600, "abc", "zzzz"]
+    scores, cut = rm(rows, texts)
+    plain = transformers.AutoModelForSequenceClassification.from_pretrained(reward_model)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(reward_model)
+    for row, text, score, was_cut in zip(rows, texts, scores, cut):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": text}], return_dict=False
+        )
+        assert was_cut == (len(ids) > 512)
+        with torch.no_grad():
+            want = plain(input_ids=torch.tensor([ids[-512:]])).logits[0, 0].item()
+        assert score == pytest.approx(want, abs=1e-4), text
+    assert cut == [False] * 5 + [True, False, False] and weight == 1.0 and rm.__name__ == "a-share-rm"
+
+
+@pytest.mark.slow
+def test_grpo_learns_what_a_reward_model_prefers(reward_model, tmp_path):
+    """The policy learns to write 'a' from the reward model alone, measured on its completions (not the model's
+    score); the model's name is its metrics'; validation scores with it too."""
+    args = TINY + [f"env.reward_fn={reward_model}", "grpo.max_num_steps=30", f"logger.log_dir={tmp_path}"]
+    result = run(["grpo.py"] + args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shares = []
+    for step in range(1, 31):
+        samples = [json.loads(line) for line in open(tmp_path / f"train_data_step{step}.jsonl")]
+        shares.append(sum(a_share(s["turns"][0]["text"]) for s in samples) / len(samples))
+    first, last = sum(shares[:5]) / 5, sum(shares[-5:]) / 5
+    print(f"share of 'a' in the completions: steps 1-5 {first:.3f}, steps 26-30 {last:.3f}")
+    assert last > 3 * first and last > 0.2
+    metrics = read_metrics(tmp_path)
+    assert "train/rewards/a-share-rm/mean" in metrics[-1] and "validation/accuracy" in metrics[-1]
+    assert metrics[-1]["train/a-share-rm/truncated"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_reward_model_beside_a_function_on_two_ranks_with_dynamic_sampling_resumes_exactly(reward_model, tmp_path):
+    """Weighted beside debug_reward; two ranks whose micro-batch counts differ (64-token budget); dynamic sampling's
+    rounds; 4 steps, and 2 steps then resumed to 4: the same."""
+    args = TINY + [f"env.reward_fn=[{reward_model}, grpo:debug_reward]", "env.reward_weights=[1.0, 0.5]"]
+    args += ["grpo.use_dynamic_sampling=true", "policy.sequence_packing.logprob_mb_tokens=64", "grpo.val_period=2"]
+    args += ["checkpointing.save_period=2"]
+    for log_dir, steps in ((tmp_path / "a", 4), (tmp_path / "b", 2), (tmp_path / "b", 4)):
+        result = run(["grpo.py"] + args + [f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"], ranks=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+    straight, resumed = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    diffs = max_diffs(straight, resumed)
+    assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5, diffs
+    samples = [json.loads(line) for line in open(tmp_path / "a" / "train_data_step4.jsonl")]
+    assert [s["reward"] for s in samples] == pytest.approx(
+        [s["rewards"]["a-share-rm"] + 0.5 * s["rewards"]["debug_reward"] for s in samples]
+    )
 
 
 def step_map():
