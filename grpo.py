@@ -418,7 +418,7 @@ def plan_micro_batches(
 
 def token_budget(cfg: plumbing.Config, kind: str) -> int:
     """A micro-batch's tokens for 'train' or 'logprob'. Unset: a micro-batch of full-length samples on CUDA; on CPU,
-    where attention over the packed row's dense mask costs most, 512 (the fastest measured on SmolLM2, docs/speed.md)."""
+    where attention over the packed row's dense mask costs most, 512 (the fastest on SmolLM2, docs/speed.md)."""
     p = cfg.policy
     size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
     return p.sequence_packing[f"{kind}_mb_tokens"] or (

@@ -2,12 +2,14 @@
 plumbing.py: what every run of grpo.py needs and a reader of the algorithm skips. grpo.py imports it; it never
 imports grpo (under `python grpo.py`, grpo is __main__: a second copy would have its own classes and globals).
 
-  Config            config.yaml, a --config file, the tiny-debug preset and the command line -> one checked Config
-  Data files        tasks, JSONL and HF datasets -> prompt rows; the data order; the tiny-debug model
+  Config            config.yaml, a --config file, the tiny-debug preset and the command line -> one checked Config;
+                    the run's inputs checked before any model loads
+  Data files        tasks, JSONL and HF datasets -> prompt rows; the data order; tiny-debug; math answers parsed
   Checkpoints       DCP shards, training_info.json, the carried groups of partial rollouts, HF and PEFT exports
   Logs              metrics.jsonl, wandb, TensorBoard, the printed lines
   Reward workers    users' rewards and environment steps in worker processes, with a time limit; their failures
   Distributed       torchrun's world, a failing rank taking the others down, stop signals
+  vLLM              the refit's start-up check, vLLM's log lines
 """
 
 from __future__ import annotations
@@ -247,6 +249,79 @@ def load_config(argv: list[str], world_size: int = 1) -> Config:
     return cfg
 
 
+def import_object(spec: str, key: str) -> Any:
+    """'module:name' (the config key `key`'s value) -> that object, or a ConfigError naming the key."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load '{spec}' ({e})")
+
+
+def exit_on_config_error(fn: Callable, *args):
+    """fn(*args); a ConfigError it raises: one line (rank 0), exit code 2."""
+    try:
+        return fn(*args)
+    except ConfigError as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[str], str]:
+    """The model's path and tokenizer, the tokenized train and validation rows, the checkpoint to resume from and the
+    run's line of data figures, each checked (a ConfigError names the key); a finished run (a requeued job) exits 0."""
+    transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
+    g = cfg.grpo
+    dirs = {"logger.log_dir": cfg.logger.log_dir}
+    if cfg.checkpointing.enabled:
+        dirs["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir
+    for key, where in dirs.items():
+        try:  # a file made and removed: a read-only mount, a path under a file, /proc
+            os.makedirs(where, exist_ok=True)
+            tempfile.TemporaryFile(dir=where).close()
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot write to {where} ({e.strerror or e})")
+    path = resolve_model_path(cfg)
+    tokenizer, config = load_model_files(path, "policy.model_name")
+    lora = cfg.policy.lora
+    if lora.enabled and "lm_head" in lora.target_modules and getattr(config, "tie_word_embeddings", False):
+        raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
+    if lora.enabled:  # the model's linear layers by name, built on the meta device: nothing loads
+        with torch.device("meta"):
+            modules = transformers.AutoModelForCausalLM.from_config(config).named_modules()
+        linear = sorted({n.rpartition(".")[2] for n, m in modules if isinstance(m, torch.nn.Linear)})
+        if unknown := sorted(set(lora.target_modules) - set(linear)):
+            raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(linear)})")
+    train_rows, val_rows = load_datasets(cfg)
+    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
+    val_rows, val_dropped = tokenize_prompts(val_rows, tokenizer, cfg)
+    if not train_rows:
+        raise ConfigError("data: no prompt fits policy.max_total_sequence_length - generation.max_new_tokens")
+    if g.max_num_epochs:  # as NeMo-RL: max_num_steps or max_num_epochs passes (steps rounded up), whichever first
+        g.max_num_steps = min(g.max_num_steps, -(-g.max_num_epochs * len(train_rows) // g.num_prompts_per_step))
+    if (g.val_period or g.val_at_start or g.val_at_end) and len(val_rows) < dist.get_world_size():
+        raise ConfigError(
+            f"data: {len(val_rows)} validation prompts ({val_dropped} dropped as too long), fewer than the "
+            f"{dist.get_world_size()} ranks: set data.val_dataset_name, or turn validation off "
+            "(grpo.val_period=0 grpo.val_at_end=false)"
+        )
+    resume_from = find_resume_checkpoint(cfg)
+    if resume_from and read_yaml(os.path.join(resume_from, "training_info.json"))["step"] >= g.max_num_steps:
+        print0(f"{resume_from}: grpo.max_num_steps={g.max_num_steps} is reached, nothing to do")  # before models load
+        sys.exit(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.policy.precision == "bfloat16" and device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        print0("warning: this CPU emulates bf16 (no AVX-512 BF16 or AMX): policy.precision=float32 is faster here")
+    summary = (
+        f"model {cfg.policy.model_name}, {dist.get_world_size()} rank(s) on {device}, backend "
+        f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
+        f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation "
+        f"({val_dropped} dropped)"
+    )
+    return path, tokenizer, train_rows, val_rows, resume_from, summary
+
+
 def load_model_files(path: str, key: str) -> tuple[Any, Any]:
     """A model's tokenizer and config, from a local directory or a hub name; one that cannot load: a ConfigError."""
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):  # a path, not a hub name
@@ -257,16 +332,7 @@ def load_model_files(path: str, key: str) -> tuple[Any, Any]:
         raise ConfigError(f"{key}: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
 
 
-def import_object(spec: str, key: str) -> Any:
-    """'module:name' (the config key `key`'s value) -> that object, or a ConfigError naming the key."""
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"{key}: cannot load '{spec}' ({e})")
-
-
-# ======== Data files, the data order and tiny-debug ===================================================================
+# ======== Data files, the data order, tiny-debug, the math answers ====================================================
 
 
 def json_row(line: str, path: str, number: int) -> dict:
@@ -409,9 +475,6 @@ def resolve_model_path(cfg: Config) -> str:
     return path
 
 
-# ======== The math answers of math_reward: boxed, then parsed =========================================================
-
-
 def extract_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...}, braces balanced; None if there is none."""
     start = text.rfind("\\boxed{")
@@ -435,6 +498,7 @@ def parse_number(text: str) -> Optional[Fraction]:
 
 
 # ======== Checkpoints and exports =====================================================================================
+
 
 # Keys (and sections) that change the data order, the data or the model: a resume across a change is refused.
 RESUME_KEYS = [
@@ -693,6 +757,31 @@ def record(s, **extra) -> dict:
     return {k: v for k, v in vars(s).items() if k not in per_token} | {"env_tokens": s.trained.count(0), **extra}
 
 
+def log_step(logger: Logger, step: int, cfg: Config, samples: list[dict], metrics: dict) -> None:
+    """The step's metrics from its samples (every rank's, as logged: record), logged and printed."""
+    turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
+    metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
+    metrics["train/max_turns_per_sample"] = max(turns)
+    ends = [s["end"] for s in samples]
+    metrics["train/natural_termination_rate"] = np.mean([e == "done" for e in ends])
+    metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
+    metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])
+    metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
+    for name in samples[0]["rewards"]:  # each reward function's mean and std where it applies (TRL's names)
+        values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
+        metrics[f"train/rewards/{name}/mean"] = np.mean(values) if values else math.nan
+        metrics[f"train/rewards/{name}/std"] = np.std(values, ddof=1) if len(values) > 1 else 0.0
+    for name in dict.fromkeys(k for s in samples for k in s["metrics"]):  # TRL's log_metric, over the samples scored
+        metrics[f"train/{name}"] = np.mean([s["metrics"][name] for s in samples if name in s["metrics"]])
+    logger.log(step, metrics)
+    logger.write_samples(f"train_data_step{step}.jsonl", samples)
+    print_step(step, cfg.grpo.max_num_steps, metrics)
+    print_samples(samples, cfg.logger.num_samples_to_print)
+    if metrics["train/skipped_updates"]:
+        skipped = metrics["train/skipped_updates"]
+        print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
+
+
 def print_samples(samples: list[dict], n: int) -> None:
     for s in samples[:n]:
         print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> " + " | ".join(repr(t["text"]) for t in s["turns"]))
@@ -715,7 +804,7 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-# ======== Reward workers and users' failures ==========================================================================
+# ======== Reward workers and failures: users' rewards, repeated failures ==============================================
 
 
 def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
@@ -867,6 +956,22 @@ def stop_run(message: str) -> None:
     sys.exit(1)
 
 
+def stop_on_repeated_failures(failing: dict, samples: list[dict], per_rank: int, skipped: int, limit: int) -> dict:
+    """What failed all step, as every rank sees it: a reward function or environment on every sample of a rank (a
+    missing dependency on one node), or the updates (`skipped`, by the global gradient norm). failing: {(what, rank):
+    steps in a row} before this step -> after it; `limit` steps in a row stop the run."""
+    ranks = [samples[r : r + per_rank] for r in range(0, len(samples), per_rank)]
+    failed = {(what, r) for r, mine in enumerate(ranks) for what in set.intersection(*(set(s["errors"]) for s in mine))}
+    failed |= {("non-finite loss or gradients", 0)} if skipped else set()
+    failing = {key: failing.get(key, 0) + 1 for key in failed}
+    for (what, r), steps in sorted(failing.items()):
+        if steps >= limit:
+            errors = ranks[r][-1]["errors"]
+            why = f"{what} failing on every sample of rank {r} ({errors[what]})" if what in errors else what
+            stop_run(f"{steps} steps in a row with {why} (grpo.max_consecutive_nonfinite)")
+    return failing
+
+
 # ======== Distributed start, a failing rank, stop signals =============================================================
 
 
@@ -947,7 +1052,7 @@ def request_stop(signum, frame) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# ======== vLLM: the refit's check, the log lines ======================================================================
+# ======== vLLM: the refit's start-up check, the log lines =============================================================
 
 
 def check_refit(engine, model, prompt_ids: list[list[int]], buckets) -> None:
@@ -991,111 +1096,3 @@ def quiet_vllm(tied: bool) -> None:
     for name in loggers.split() + ["model_executor.models.utils", "model_executor.model_loader.reload.layerwise"]:
         logging.getLogger(f"vllm.{name}").addFilter(lambda r: not any(p in r.getMessage() for p in by_design))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-# ======== Before any model loads: the run's inputs, checked ===========================================================
-
-
-def exit_on_config_error(fn: Callable, *args):
-    """fn(*args); a ConfigError it raises: one line (rank 0), exit code 2."""
-    try:
-        return fn(*args)
-    except ConfigError as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"config error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
-def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[str], str]:
-    """The model's path and tokenizer, the tokenized train and validation rows, the checkpoint to resume from and the
-    run's line of data figures, each checked (a ConfigError names the key); a finished run (a requeued job) exits 0."""
-    transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
-    g = cfg.grpo
-    dirs = {"logger.log_dir": cfg.logger.log_dir}
-    if cfg.checkpointing.enabled:
-        dirs["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir
-    for key, where in dirs.items():
-        try:  # a file made and removed: a read-only mount, a path under a file, /proc
-            os.makedirs(where, exist_ok=True)
-            tempfile.TemporaryFile(dir=where).close()
-        except OSError as e:
-            raise ConfigError(f"{key}: cannot write to {where} ({e.strerror or e})")
-    path = resolve_model_path(cfg)
-    tokenizer, config = load_model_files(path, "policy.model_name")
-    lora = cfg.policy.lora
-    if lora.enabled and "lm_head" in lora.target_modules and getattr(config, "tie_word_embeddings", False):
-        raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
-    if lora.enabled:  # the model's linear layers by name, built on the meta device: nothing loads
-        with torch.device("meta"):
-            modules = transformers.AutoModelForCausalLM.from_config(config).named_modules()
-        linear = sorted({n.rpartition(".")[2] for n, m in modules if isinstance(m, torch.nn.Linear)})
-        if unknown := sorted(set(lora.target_modules) - set(linear)):
-            raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(linear)})")
-    train_rows, val_rows = load_datasets(cfg)
-    train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
-    val_rows, val_dropped = tokenize_prompts(val_rows, tokenizer, cfg)
-    if not train_rows:
-        raise ConfigError("data: no prompt fits policy.max_total_sequence_length - generation.max_new_tokens")
-    if g.max_num_epochs:  # as NeMo-RL: max_num_steps or max_num_epochs passes (steps rounded up), whichever first
-        g.max_num_steps = min(g.max_num_steps, -(-g.max_num_epochs * len(train_rows) // g.num_prompts_per_step))
-    if (g.val_period or g.val_at_start or g.val_at_end) and len(val_rows) < dist.get_world_size():
-        raise ConfigError(
-            f"data: {len(val_rows)} validation prompts ({val_dropped} dropped as too long), fewer than the "
-            f"{dist.get_world_size()} ranks: set data.val_dataset_name, or turn validation off "
-            "(grpo.val_period=0 grpo.val_at_end=false)"
-        )
-    resume_from = find_resume_checkpoint(cfg)
-    if resume_from and read_yaml(os.path.join(resume_from, "training_info.json"))["step"] >= g.max_num_steps:
-        print0(f"{resume_from}: grpo.max_num_steps={g.max_num_steps} is reached, nothing to do")  # before models load
-        sys.exit(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.policy.precision == "bfloat16" and device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        print0("warning: this CPU emulates bf16 (no AVX-512 BF16 or AMX): policy.precision=float32 is faster here")
-    summary = (
-        f"model {cfg.policy.model_name}, {dist.get_world_size()} rank(s) on {device}, backend "
-        f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
-        f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation "
-        f"({val_dropped} dropped)"
-    )
-    return path, tokenizer, train_rows, val_rows, resume_from, summary
-
-
-def log_step(logger: Logger, step: int, cfg: Config, samples: list[dict], metrics: dict) -> None:
-    """The step's metrics from its samples (every rank's, as logged: record), logged and printed."""
-    turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
-    metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
-    metrics["train/max_turns_per_sample"] = max(turns)
-    ends = [s["end"] for s in samples]
-    metrics["train/natural_termination_rate"] = np.mean([e == "done" for e in ends])
-    metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
-    metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])
-    metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
-    for name in samples[0]["rewards"]:  # each reward function's mean and std where it applies (TRL's names)
-        values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
-        metrics[f"train/rewards/{name}/mean"] = np.mean(values) if values else math.nan
-        metrics[f"train/rewards/{name}/std"] = np.std(values, ddof=1) if len(values) > 1 else 0.0
-    for name in dict.fromkeys(k for s in samples for k in s["metrics"]):  # TRL's log_metric, over the samples scored
-        metrics[f"train/{name}"] = np.mean([s["metrics"][name] for s in samples if name in s["metrics"]])
-    logger.log(step, metrics)
-    logger.write_samples(f"train_data_step{step}.jsonl", samples)
-    print_step(step, cfg.grpo.max_num_steps, metrics)
-    print_samples(samples, cfg.logger.num_samples_to_print)
-    if metrics["train/skipped_updates"]:
-        skipped = metrics["train/skipped_updates"]
-        print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
-
-
-def stop_on_repeated_failures(failing: dict, samples: list[dict], per_rank: int, skipped: int, limit: int) -> dict:
-    """What failed all step, as every rank sees it: a reward function or environment on every sample of a rank (a
-    missing dependency on one node), or the updates (`skipped`, by the global gradient norm). failing: {(what, rank):
-    steps in a row} before this step -> after it; `limit` steps in a row stop the run."""
-    ranks = [samples[r : r + per_rank] for r in range(0, len(samples), per_rank)]
-    failed = {(what, r) for r, mine in enumerate(ranks) for what in set.intersection(*(set(s["errors"]) for s in mine))}
-    failed |= {("non-finite loss or gradients", 0)} if skipped else set()
-    failing = {key: failing.get(key, 0) + 1 for key in failed}
-    for (what, r), steps in sorted(failing.items()):
-        if steps >= limit:
-            errors = ranks[r][-1]["errors"]
-            why = f"{what} failing on every sample of rank {r} ({errors[what]})" if what in errors else what
-            stop_run(f"{steps} steps in a row with {why} (grpo.max_consecutive_nonfinite)")
-    return failing

@@ -1091,8 +1091,8 @@ def test_reward_fn_from_config():
     assert grpo.get_scoring(cfg)[1] == [(grpo.debug_reward, 1.0), (grpo.math_reward, 0.5)]
     with pytest.raises(plumbing.ConfigError, match="env.reward_fn: cannot load 'grpo:nope'"):
         grpo.get_scoring(plumbing.load_config(TINY + ["env.reward_fn=grpo:nope"]))
-    with pytest.raises(plumbing.ConfigError, match="env.reward_fn must be 'module:function'"):
-        plumbing.load_config(TINY + ["env.reward_fn=grpo"])
+    with pytest.raises(plumbing.ConfigError, match="env.reward_fn must be 'module:function' or a reward model"):
+        plumbing.load_config(TINY + ["env.reward_fn=[grpo:debug_reward, 3]"])
     with pytest.raises(plumbing.ConfigError, match="env.reward_weights must be one number per env.reward_fn"):
         plumbing.load_config(TINY + ["env.reward_fn=grpo:debug_reward", "env.reward_weights=[1, 2]"])
 
