@@ -775,28 +775,24 @@ def log_step(logger: Logger, step: int, cfg: Config, samples: list[dict], metric
         metrics[f"train/{name}"] = np.mean([s["metrics"][name] for s in samples if name in s["metrics"]])
     logger.log(step, metrics)
     logger.write_samples(f"train_data_step{step}.jsonl", samples)
-    print_step(step, cfg.grpo.max_num_steps, metrics)
+    t = {k.removeprefix("timing/train/"): v for k, v in metrics.items() if k.startswith("timing/train/")}
+    total = t.pop("total_step_time")
+    parts = ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
+    print0(
+        f"step {step}/{cfg.grpo.max_num_steps} | reward {metrics['train/reward']:.4f} | loss "
+        f"{metrics['train/loss']:.4f} | kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} "
+        f"| gen_len {metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: "
+        f"{metrics['perf/generated_tokens_per_s']:.0f}"
+        f" generated, {metrics['perf/trained_tokens_per_s']:.0f} trained | {total:.2f}s ({parts})"
+    )
     print_samples(samples, cfg.logger.num_samples_to_print)
-    if metrics["train/skipped_updates"]:
-        skipped = metrics["train/skipped_updates"]
+    if skipped := metrics["train/skipped_updates"]:
         print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
 
 
 def print_samples(samples: list[dict], n: int) -> None:
     for s in samples[:n]:
         print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> " + " | ".join(repr(t["text"]) for t in s["turns"]))
-
-
-def print_step(step: int, max_steps: int, metrics: dict) -> None:
-    t = {k.removeprefix("timing/train/"): v for k, v in metrics.items() if k.startswith("timing/train/")}
-    total = t.pop("total_step_time")
-    parts = ", ".join(f"{k} {v:.2f}s {100 * v / total:.0f}%" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
-    print0(
-        f"step {step}/{max_steps} | reward {metrics['train/reward']:.4f} | loss {metrics['train/loss']:.4f} "
-        f"| kl {metrics['train/kl']:.4f} | grad_norm {metrics['train/grad_norm']:.4f} | gen_len "
-        f"{metrics['train/mean_gen_tokens']:.1f} | tokens/s per device: {metrics['perf/generated_tokens_per_s']:.0f}"
-        f" generated, {metrics['perf/trained_tokens_per_s']:.0f} trained | {total:.2f}s ({parts})"
-    )
 
 
 def print0(*args, **kwargs):
