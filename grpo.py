@@ -30,7 +30,7 @@ pipeline parallelism in the trainer (FSDP2 only), Megatron, value models, vision
 
 from __future__ import annotations
 
-import asyncio, contextlib, functools, gc, inspect, itertools
+import contextlib, functools, gc, inspect, itertools
 import math, os, signal
 import sys, time
 from collections import defaultdict
@@ -59,12 +59,13 @@ class Sample:
     """One prompt's episode: the assistant's turns and the environment's observations between them (not its dataset
     row: score and play_episodes get the rows beside the samples)."""
 
-    prompt: str
+    prompt: str  # its last user message: what a (prompt, completion, answer) reward gets
     prompt_ids: list[int]
     completion_ids: list[int] = field(default_factory=list)  # every turn's tokens after the prompt, in order
     generation_logprobs: list[float] = field(default_factory=list)  # the engine's, per token; 0 on observations
     trained: list[int] = field(default_factory=list)  # 1 on the assistant's tokens (EOS / stop included), else 0
     turns: list[dict] = field(default_factory=list)  # [{"role", "text"}], for train_data_step{N}.jsonl
+    messages: list[dict] = field(default_factory=list)  # the prompt's chat as the model saw it (system prompt too)
     reward: float = 0.0  # the sum of the turns' rewards (one turn: the reward functions' weighted sum)
     rewards: dict = field(default_factory=dict)  # each reward function's own value (None: it does not apply)
     end: Optional[str] = None  # "done" (said the environment), "truncated" (out of tokens) or "max_turns"
@@ -172,7 +173,7 @@ def generate_samples(run: Run, rows: list, seeds: list, n: int, greedy=False, fi
     """n samples of each row (a group): the engine completes each prompt, the reward functions score it. An environment
     plays multi-turn episodes instead (play_episodes); partial rollouts hand in the engine's results (first_turn)."""
     rows = [r for r in rows for _ in range(n)]
-    samples = [Sample(r["prompt"], r["prompt_ids"]) for r in rows]
+    samples = [Sample(r["prompt"], r["prompt_ids"], messages=r["messages"]) for r in rows]
     if run.make_env:
         return play_episodes(run, rows, samples, seeds, greedy)
     results = first_turn if first_turn is not None else generate(run, samples, seeds, 0, greedy)
@@ -537,7 +538,8 @@ def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -
 
 
 def validate(run: Run, step: int) -> dict:
-    """Accuracy (mean reward), pass@k (best of k per prompt) and length over all ranks' validation samples."""
+    """Accuracy (the task's reward: env.reward_fn's first function, unweighted; an environment's: the episode's),
+    pass@k (best of k per prompt), length and each reward function's mean over all ranks' validation samples."""
     g, k = run.cfg.grpo, run.cfg.grpo.val_num_generations_per_prompt
     mine = share(len(run.val_rows) // dist.get_world_size() * dist.get_world_size())  # equal shares
     seeds = [seed_of(g.seed + 1, step, i) for i in range(mine.start * k, mine.stop * k)]
@@ -545,7 +547,8 @@ def validate(run: Run, step: int) -> dict:
     samples = generate_samples(run, run.val_rows[mine], seeds, k, greedy=g.val_greedy)
     run.engine.finish_generation()
     samples = gather_all([plumbing.record(s, tokens=sum(s.trained)) for s in samples])
-    rewards = torch.tensor([s["reward"] for s in samples]).view(-1, k)  # [prompts, k]
+    task = [next(iter(s["rewards"].values()), s["reward"]) or 0.0 for s in samples]  # None (does not apply): 0
+    rewards = torch.tensor(task).view(-1, k)  # [prompts, k]
     val = {
         "accuracy": rewards.mean().item(),
         f"pass@{k}": rewards.max(1).values.mean().item(),
@@ -556,7 +559,7 @@ def validate(run: Run, step: int) -> dict:
     plumbing.print0(f"validation at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
     plumbing.print_samples(samples, run.cfg.logger.num_samples_to_print)
     run.info["val_reward"] = val["accuracy"]
-    return {f"validation/{k}": v for k, v in val.items()}
+    return {f"validation/{k}": v for k, v in val.items()} | plumbing.reward_metrics(samples, "validation")
 
 
 # ======== Variants that enter `rollout` by one `if`: DAPO's dynamic sampling, partial rollouts ========================
@@ -1003,62 +1006,69 @@ def debug_reward(prompt: str, completion: str, answer: Any) -> float:
 
 
 def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], completion_ids: list) -> list[float]:
-    """One turn's rewards: each function's values to sample.rewards, their weighted sums returned. TRL-style (the
-    signature takes `completions`): one call with keyword lists, as TRL 1.16 makes it; others per sample. None: does
-    not apply. A partial is named by its function (numbered where two share a name)."""
+    """One turn's rewards: each function's values to sample.rewards, their weighted sums returned; each kind called as
+    its framework calls it (Reward). A value of None: the function does not apply to that sample."""
     totals, errors = [0.0] * len(rows), []
-    names = [getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__) for fn, _ in run.reward_fns]
-    for k, ((fn, weight), name) in enumerate(zip(run.reward_fns, names)):
-        name = name if names.count(name) == 1 else f"{name}_{k}"
-        if isinstance(fn, RewardModel):
-            values, cut = fn(rows, texts)
+    for reward in run.reward_fns:
+        if reward.kind == "model":
+            values, cut = reward.fn(rows, texts)
             results = [(value, None) for value in values]
             for sample, c in zip(samples, cut):
-                sample.metrics[f"{name}/truncated"] = float(c)  # the share of samples cut to its positions
-        elif "completions" in inspect.signature(fn).parameters:
-            keys = dict.fromkeys(k for r in rows for k in r["columns"])  # every field of the rows (JSONL rows vary)
-            columns = {k: [r["columns"].get(k) for r in rows] for k in keys if k not in ("prompt", "completion")}
-            messages = [[{"role": "assistant", "content": text}] for text in texts]
-            epoch = run.info["consumed_samples"] / len(run.train_rows)
-            state = plumbing.Config(global_step=run.info["step"], max_steps=run.cfg.grpo.max_num_steps, epoch=epoch)
-            kwargs = dict(columns, prompts=[r["messages"] for r in rows], completions=messages, trainer_state=state)
-            ((result, why),) = run.runner([(trl_call, (fn, dict(kwargs, completion_ids=completion_ids)), {})])
-            values, metrics, extra = result or (None, {}, {})
-            if why is None and not (isinstance(values, (list, tuple)) and len(values) == len(rows)):
-                why = f"returned {type(values).__name__} {plumbing.quote(values)}, not a list of {len(rows)} values"
-            results = [(None, why)] * len(rows) if why else [(value, None) for value in values]
-            for j, sample in enumerate(samples):  # what it logged: a metric per call, a column value per sample
-                sample.metrics.update({k: float(v) for k, v in metrics.items() if not plumbing.not_finite(v)})
-                sample.extra.update({k: v[j] for k, v in extra.items() if isinstance(v, list) and len(v) == len(rows)})
+                sample.metrics[f"{reward.name}/truncated"] = float(c)  # the share of samples cut to its positions
+        elif reward.kind == "trl":  # one call with keyword lists (the chat messages, the columns), as TRL 1.16 makes it
+            kwargs = plumbing.trl_kwargs(rows, texts, completion_ids, run.info, run.cfg, len(run.train_rows))
+            results = plumbing.call_trl(run.runner, reward.fn, kwargs, samples)
+        elif reward.kind == "verl":  # by name, as verl calls a compute_score; it may return {"score": ..., to log}
+            results = run.runner([(reward.fn, (), plumbing.verl_kwargs(r, text)) for r, text in zip(rows, texts)])
         else:
-            results = run.runner([(fn, (r["prompt"], text, r["answer"]), {}) for r, text in zip(rows, texts)])
+            results = run.runner([(reward.fn, (r["prompt"], text, r["answer"]), {}) for r, text in zip(rows, texts)])
         for i, (sample, (value, why)) in enumerate(zip(samples, results)):
+            if reward.kind == "verl" and isinstance(value, dict) and "score" in value:
+                sample.extra.update({k: v for k, v in value.items() if k != "score"})
+                value = value["score"]
             why = why or (None if value is None else plumbing.not_finite(value))
             if why:
-                errors.append(f"{name} {why}")
-                sample.errors[name] = why
-            sample.rewards[name] = 0.0 if why else None if value is None else float(value)
-            totals[i] += weight * (sample.rewards[name] or 0.0)
+                errors.append(f"{reward.name} {why}")
+                sample.errors[reward.name] = why
+            sample.rewards[reward.name] = 0.0 if why else None if value is None else float(value)
+            totals[i] += reward.weight * (sample.rewards[reward.name] or 0.0)
     plumbing.warn_failures(errors, len(rows) * len(run.reward_fns))
     return totals
 
 
-def trl_call(fn: Callable, kwargs: dict) -> tuple:
-    """A TRL-style function's values (awaited if it is async), and what it logged: {name: value}, {column: values}."""
-    metrics, extra = {}, {}
-    values = fn(**kwargs, log_metric=metrics.__setitem__, log_extra=extra.__setitem__)
-    return (asyncio.run(values) if inspect.iscoroutine(values) else values), metrics, extra
+@dataclass
+class Reward:
+    """A reward function as score calls it. kind: "model" (a RewardModel), "trl" (it takes `completions`: TRL's
+    keyword lists), "verl" (it takes `solution_str`: verl's compute_score) or "text" (prompt, completion, answer)."""
+
+    fn: Callable
+    weight: float
+    name: str  # in the metrics: the function's (a partial's too), numbered where two share one
+    kind: str
 
 
-def get_scoring(cfg: plumbing.Config) -> tuple[Optional[Callable[[dict], Any]], list[tuple[Callable, float]]]:
-    """(row -> a new environment, or None: one turn) and the (reward function, weight) pairs that score a turn:
-    env.environment and env.reward_fn, else the debug task's reward, else math_reward."""
+def get_scoring(cfg: plumbing.Config) -> tuple[Optional[Callable[[dict], Any]], list[Reward]]:
+    """(row -> a new environment, or None: one turn) and the rewards that score a turn: env.environment and
+    env.reward_fn (with env.reward_weights), else the debug task's reward, else math_reward."""
     make_env = plumbing.import_object(cfg.env.environment, "env.environment") if cfg.env.environment else None
     specs = cfg.env.reward_fn or []
     functions = [plumbing.import_object(s, "env.reward_fn") if ":" in s else RewardModel(s, cfg) for s in specs]
     if not functions:
-        return make_env, [(debug_reward if cfg.data.dataset_name == "debug" else math_reward, 1.0)]
-    return make_env, list(zip(functions, cfg.env.reward_weights or [1.0] * len(functions)))
+        functions = [debug_reward if cfg.data.dataset_name == "debug" else math_reward]
+    return make_env, rewards(functions, cfg.env.reward_weights or [1.0] * len(functions))
+
+
+def rewards(functions: list[Callable], weights: list[float]) -> list[Reward]:
+    """Each function with its weight, name and kind, decided once."""
+    names = [getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__) for fn in functions]
+    out = []
+    for k, (fn, weight, name) in enumerate(zip(functions, weights, names)):
+        takes = () if isinstance(fn, RewardModel) else inspect.signature(fn).parameters
+        kind = (
+            "model" if not takes else "trl" if "completions" in takes else "verl" if "solution_str" in takes else "text"
+        )
+        out.append(Reward(fn, weight, name if names.count(name) == 1 else f"{name}_{k}", kind))
+    return out
 
 
 class RewardModel:
@@ -1076,15 +1086,12 @@ class RewardModel:
         self.tokenizer.pad_token = self.tokenizer.pad_token or self.tokenizer.eos_token  # none: its EOS, as TRL
 
     def __call__(self, rows: list[dict], texts: list[str]) -> tuple[list[float], list[bool]]:
-        """Each (prompt, completion) as chat messages through its own tokenizer and template (else the two texts),
+        """Each chat (the prompt's messages, the completion) through its own tokenizer and template (else the texts),
         in micro-batches of the logprob budget, as many on every rank -> scores, and which were cut to its positions
         (their first tokens dropped)."""
         tok, limit = self.tokenizer, self.model.config.max_position_embeddings
-        if tok.chat_template:  # the policy's tokens decoded, then its own: the tokenizers may differ
-            chats = [
-                [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": t}]
-                for r, t in zip(rows, texts)
-            ]
+        if tok.chat_template:  # the policy's chat, decoded, then its own tokens: the tokenizers may differ
+            chats = [r["messages"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, texts)]
             ids = [tok.apply_chat_template(chat, return_dict=False) for chat in chats]
         else:
             ids = tok([r["prompt"] + text for r, text in zip(rows, texts)])["input_ids"]
@@ -1174,7 +1181,7 @@ class Run:
     train_rows: list[dict]
     val_rows: list[dict]
     make_env: Optional[Callable[[dict], Any]]  # data row -> a new environment (one per sample); None: one turn
-    reward_fns: list[tuple[Callable, float]]  # (function, weight): what scores a turn without an environment
+    reward_fns: list[Reward]  # what scores a turn without an environment
     runner: plumbing.Runner
     logger: plumbing.Logger
     engine: Any = None  # VllmEngine or HFEngine
@@ -1229,7 +1236,7 @@ def setup(cfg: plumbing.Config) -> Run:
     """Tokenizer and data (problems stop here, before any model loads), engine, policy, optimizer, resume."""
     path, tokenizer, train_rows, val_rows, resume_from, summary = plumbing.exit_on_config_error(plumbing.preflight, cfg)
     make_env, reward_fns = plumbing.exit_on_config_error(get_scoring, cfg)
-    runner = plumbing.Runner(cfg.env.reward_timeout_s, [fn for fn, _ in reward_fns] + [make_env])
+    runner = plumbing.Runner(cfg.env.reward_timeout_s, [r.fn for r in reward_fns] + [make_env])
     run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, plumbing.Logger(cfg))
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
@@ -1237,7 +1244,7 @@ def setup(cfg: plumbing.Config) -> Run:
     run.policy = load_policy(path, cfg, trainable=True)
     if cfg.loss_fn.reference_policy_kl_penalty > 0:  # the initial policy: LoRA's base model (adapters off), or a copy
         run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
-    for rm in [fn for fn, _ in reward_fns if isinstance(fn, RewardModel)]:  # sharded like the reference
+    for rm in [r.fn for r in reward_fns if r.kind == "model"]:  # sharded like the reference
         rm.model = load_policy(rm.path, cfg, False, transformers.AutoModelForSequenceClassification)
         rm.model.config.pad_token_id = rm.tokenizer.pad_token_id
     if engine:

@@ -4,7 +4,8 @@ imports grpo (under `python grpo.py`, grpo is __main__: a second copy would have
 
   Config            config.yaml, a --config file, the tiny-debug preset and the command line -> one checked Config;
                     the run's inputs checked before any model loads
-  Data files        tasks, JSONL and HF datasets -> prompt rows; the data order; tiny-debug; math answers parsed
+  Data files        tasks, local files (JSONL, JSON, Parquet, CSV) and HF datasets -> prompt rows (text or chat); the
+                    data order; tiny-debug; math answers parsed
   Checkpoints       DCP shards, training_info.json, the carried groups of partial rollouts, HF and PEFT exports
   Logs              metrics.jsonl, wandb, TensorBoard, the printed lines
   Reward workers    users' rewards and environment steps in worker processes, with a time limit; their failures
@@ -14,8 +15,8 @@ imports grpo (under `python grpo.py`, grpo is __main__: a second copy would have
 
 from __future__ import annotations
 
-import atexit, contextlib, difflib, importlib, json, logging, math, multiprocessing, multiprocessing.connection
-import numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
+import asyncio, atexit, contextlib, difflib, glob, importlib, json, logging, math, multiprocessing, multiprocessing.connection
+import inspect, numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
 import warnings
 from fractions import Fraction
 from typing import Any, Callable, Optional
@@ -335,6 +336,27 @@ def load_model_files(path: str, key: str) -> tuple[Any, Any]:
 # ======== Data files, the data order, tiny-debug, the math answers ====================================================
 
 
+def read_file(path: str, key: str) -> list[dict]:
+    """A local data file's rows: JSON Lines (.jsonl, and .json unless it is one array of objects), Parquet or CSV (both
+    read by pyarrow)."""
+    if path.endswith((".parquet", ".csv")):
+        try:
+            import pyarrow.csv, pyarrow.parquet
+        except ImportError:
+            raise ConfigError(f"{key}: reading {path} needs pyarrow: pip install pyarrow")
+        read = pyarrow.parquet.read_table if path.endswith(".parquet") else pyarrow.csv.read_csv
+        return read(path).to_pylist()
+    with open(path, encoding="utf-8-sig") as f:  # with or without the byte-order mark some editors write
+        text = f.read()
+    if path.endswith(".json") and text.lstrip().startswith("["):  # one array of objects, not JSON Lines
+        with contextlib.suppress(json.JSONDecodeError):
+            records = json.loads(text)
+            if all(isinstance(r, dict) for r in records):
+                return records
+        raise ConfigError(f"data: {path} is not a JSON array of objects")
+    return [json_row(line, path, i) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
 def json_row(line: str, path: str, number: int) -> dict:
     with contextlib.suppress(json.JSONDecodeError):
         if isinstance(record := json.loads(line), dict):
@@ -342,17 +364,35 @@ def json_row(line: str, path: str, number: int) -> dict:
     raise ConfigError(f"data: {path} line {number} is not a JSON object")
 
 
+def field_of(row: dict, key: str) -> Any:
+    """row[key]; a key with dots is a nested field (verl's reward_model.ground_truth). Missing: KeyError."""
+    if key in row:
+        return row[key]
+    for part in key.split("."):
+        if not isinstance(row, dict) or part not in row:
+            raise KeyError(key)
+        row = row[part]
+    return row
+
+
+def is_chat(value: Any) -> bool:
+    """Chat messages: a non-empty list of {"role": str, "content": str, ...}."""
+    ok = lambda m: isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+    return isinstance(value, list) and bool(value) and all(ok(m) for m in value)
+
+
 def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> list[dict]:
-    """A task (debug, or module:function -> n_task rows), a JSONL file or a HF dataset -> [{"prompt" (in
-    data.prompt_template), "answer", "columns"}]."""
+    """A task (debug, or module:function -> n_task rows), local data files (a path or a glob) or a HF dataset ->
+    [{"messages" (the chat), "prompt" (its last user message: a text prompt in data.prompt_template), "answer",
+    "columns"}]. A prompt field of chat messages is the chat as it is; a text one becomes a user message."""
     key = "data.dataset_name" if name == data.dataset_name else "data.val_dataset_name"
     if is_task(name):
         records = (debug_task if name == "debug" else import_object(name, key))(n_task, seed)
-    elif name.endswith(".jsonl"):
-        if not os.path.isfile(name):
+    elif is_local(name):
+        paths = sorted(glob.glob(name)) if glob.has_magic(name) else [name]
+        if not paths or not all(os.path.isfile(p) for p in paths):
             raise ConfigError(f"data: file not found: {name}")
-        with open(name, encoding="utf-8-sig") as f:  # with or without the byte-order mark some editors write
-            records = [json_row(line, name, i) for i, line in enumerate(f, 1) if line.strip()]
+        records = [r for p in paths for r in read_file(p, key)]
     else:
         try:  # `datasets` is an optional extra; no network, a typo in the name, a missing split
             import datasets
@@ -362,16 +402,29 @@ def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> li
             raise ConfigError(f"{key}: cannot load '{name}' ({type(e).__name__}: {first_line(e)})")
     if len(records) == 0:
         raise ConfigError(f"data: {name} ({split}) is empty")
+    rows = []
     for i, r in enumerate(records):
         for column in (data.input_key, data.output_key):
-            if column not in r:
+            try:
+                if field_of(r, column) is None:
+                    raise ConfigError(f"data: {name} row {i + 1}: its field '{column}' is null")
+            except KeyError:
                 raise ConfigError(f"data: {name} row {i + 1} has no field '{column}' (fields: {sorted(r)})")
-            if r[column] is None:
-                raise ConfigError(f"data: {name} row {i + 1}: its field '{column}' is null")
-    return [
-        {"prompt": data.prompt_template.format(r[data.input_key]), "answer": r[data.output_key], "columns": r}
-        for r in records
-    ]
+        prompt = field_of(r, data.input_key)
+        if isinstance(prompt, list) and not is_chat(prompt):
+            raise ConfigError(
+                f"data: {name} row {i + 1}: its field '{data.input_key}' is a list but not chat messages "
+                '([{"role": ..., "content": ...}, ...])'
+            )
+        chat = prompt if is_chat(prompt) else [{"role": "user", "content": data.prompt_template.format(prompt)}]
+        text = next((m["content"] for m in reversed(chat) if m["role"] == "user"), chat[-1]["content"])
+        rows.append({"messages": chat, "prompt": text, "answer": field_of(r, data.output_key), "columns": r})
+    return rows
+
+
+def is_local(name: str) -> bool:
+    """A local data file, or a glob of them (verl's train_files shards), by its extension."""
+    return name.endswith((".jsonl", ".json", ".parquet", ".csv"))
 
 
 def is_task(name: str) -> bool:
@@ -386,7 +439,7 @@ def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
     val_name = d.val_dataset_name or (d.dataset_name if is_task(d.dataset_name) else None)
     if val_name:
         val = load_rows(val_name, d.val_split, d, g.max_val_samples, g.seed + 1)
-    elif d.dataset_name.endswith(".jsonl"):  # a tenth held out (seeded, up to max_val_samples), never trained on
+    elif is_local(d.dataset_name):  # a tenth held out (seeded, up to max_val_samples), never trained on
         order = np.random.default_rng(g.seed).permutation(len(train))
         held = set(order[: min(len(train) // 10, g.max_val_samples)].tolist())
         val, train = [r for i, r in enumerate(train) if i in held], [r for i, r in enumerate(train) if i not in held]
@@ -396,12 +449,13 @@ def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
-    """Chat template -> token ids; prompts that leave no room for max_new_tokens are dropped and counted."""
+    """Chat template -> token ids (data.system_prompt first, where the chat has no system message); prompts that leave
+    no room for max_new_tokens are dropped and counted."""
     max_len, max_new_tokens = cfg.policy.max_total_sequence_length, cfg.policy.generation.max_new_tokens
     # With max_new_tokens at the sequence length (NeMo-RL's configs) the engine stops there: a prompt needs one token.
     budget = max_len - max_new_tokens if max_new_tokens < max_len else max_len - 1
     system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-    chats = [system + [{"role": "user", "content": r["prompt"]}] for r in rows]
+    chats = [(system if r["messages"][0]["role"] != "system" else []) + r["messages"] for r in rows]
     ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
     kept = [{**r, "prompt_ids": list(i), "messages": c} for r, i, c in zip(rows, ids, chats) if len(i) <= budget]
     return kept, len(rows) - len(kept)
@@ -767,10 +821,7 @@ def log_step(logger: Logger, step: int, cfg: Config, samples: list[dict], metric
     metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
     metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])
     metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
-    for name in samples[0]["rewards"]:  # each reward function's mean and std where it applies (TRL's names)
-        values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
-        metrics[f"train/rewards/{name}/mean"] = np.mean(values) if values else math.nan
-        metrics[f"train/rewards/{name}/std"] = np.std(values, ddof=1) if len(values) > 1 else 0.0
+    metrics |= reward_metrics(samples, "train")
     for name in dict.fromkeys(k for s in samples for k in s["metrics"]):  # TRL's log_metric, over the samples scored
         metrics[f"train/{name}"] = np.mean([s["metrics"][name] for s in samples if name in s["metrics"]])
     logger.log(step, metrics)
@@ -790,6 +841,16 @@ def log_step(logger: Logger, step: int, cfg: Config, samples: list[dict], metric
         print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
 
 
+def reward_metrics(samples: list[dict], prefix: str) -> dict:
+    """Each reward function's mean and std over the samples it applies to (TRL's names), from their records."""
+    metrics = {}
+    for name in samples[0]["rewards"]:
+        values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
+        metrics[f"{prefix}/rewards/{name}/mean"] = np.mean(values) if values else math.nan
+        metrics[f"{prefix}/rewards/{name}/std"] = np.std(values, ddof=1) if len(values) > 1 else 0.0
+    return metrics
+
+
 def print_samples(samples: list[dict], n: int) -> None:
     for s in samples[:n]:
         print0(f"    [reward {s['reward']:.2f}] {s['prompt']!r} -> " + " | ".join(repr(t["text"]) for t in s["turns"]))
@@ -801,6 +862,51 @@ def print0(*args, **kwargs):
 
 
 # ======== Reward workers and failures: users' rewards, repeated failures ==============================================
+
+
+def trl_kwargs(rows: list[dict], texts: list[str], completion_ids: list, info: dict, cfg: Config, n_train: int) -> dict:
+    """What TRL 1.16 passes a reward function: `prompts` as chat messages, `completions` as assistant messages, their
+    token ids, every column of the rows (JSONL rows vary) as a list, and the trainer's state."""
+    keys = dict.fromkeys(k for r in rows for k in r["columns"] if k not in ("prompt", "completion"))
+    state = Config(global_step=info["step"], max_steps=cfg.grpo.max_num_steps, epoch=info["consumed_samples"] / n_train)
+    return {k: [r["columns"].get(k) for r in rows] for k in keys} | dict(
+        prompts=[r["messages"] for r in rows],
+        completions=[[{"role": "assistant", "content": text}] for text in texts],
+        completion_ids=completion_ids,
+        trainer_state=state,
+    )
+
+
+def verl_kwargs(row: dict, text: str) -> dict:
+    """What verl passes its compute_score: the row's data_source and extra_info (None where it has none), the
+    completion and the answer (data.output_key: verl's reward_model.ground_truth)."""
+    columns = row["columns"]
+    return dict(
+        data_source=columns.get("data_source"),
+        solution_str=text,
+        ground_truth=row["answer"],
+        extra_info=columns.get("extra_info"),
+    )
+
+
+def call_trl(runner: Runner, fn: Callable, kwargs: dict, samples: list) -> list[tuple]:
+    """A TRL-style function, called once in a worker -> each sample's (value, why it failed); what it logged goes to
+    the samples: log_metric's {name: value} to each one's metrics, log_extra's {column: values} to its extra."""
+    ((result, why),) = runner([(trl_call, (fn, kwargs), {})])
+    values, metrics, extra = result or (None, {}, {})
+    if why is None and not (isinstance(values, (list, tuple)) and len(values) == len(samples)):
+        why = f"returned {type(values).__name__} {quote(values)}, not a list of {len(samples)} values"
+    for j, sample in enumerate(samples):
+        sample.metrics.update({k: float(v) for k, v in metrics.items() if not not_finite(v)})
+        sample.extra.update({k: v[j] for k, v in extra.items() if isinstance(v, list) and len(v) == len(samples)})
+    return [(None, why)] * len(samples) if why else [(value, None) for value in values]
+
+
+def trl_call(fn: Callable, kwargs: dict) -> tuple:
+    """A TRL-style function's values (awaited if it is async), and what it logged: {name: value}, {column: values}."""
+    metrics, extra = {}, {}
+    values = fn(**kwargs, log_metric=metrics.__setitem__, log_extra=extra.__setitem__)
+    return (asyncio.run(values) if inspect.iscoroutine(values) else values), metrics, extra
 
 
 def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:

@@ -657,7 +657,9 @@ def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, mult
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(plumbing.resolve_model_path(cfg))
     rows, _ = plumbing.tokenize_prompts(plumbing.load_datasets(cfg)[0], tokenizer, cfg)
-    run = grpo.Run(cfg, tokenizer, rows, [], None, [(grpo.debug_reward, 1.0)], plumbing.Runner(None), None)
+    run = grpo.Run(
+        cfg, tokenizer, rows, [], None, grpo.rewards([grpo.debug_reward], [1.0]), plumbing.Runner(None), None
+    )
     run.engine = LongTailEngine(tokenizer.convert_tokens_to_ids("\n"))
     truncated, ages = 0, []
     for step in range(1, 41):
@@ -702,11 +704,13 @@ def one_line_errors(tmp_path_factory) -> tuple:
         "rm_two_labels": TINY + [f"env.reward_fn={tmp}/two-labels", log],
         "rm_no_dir": TINY + [f"env.reward_fn={tmp}/no-rm", log],
         "rm_no_hub_model": TINY + ["env.reward_fn=[grpo:debug_reward, nobody/no-such-reward-model]", log],
+        "not_chat": TINY + [f"data.dataset_name={tmp}/not-chat.jsonl", log],
         "gpu_unseen": TINY + [f"data.dataset_name={tmp}/nope.jsonl", log],  # with a stand-in nvidia-smi listing 2 GPUs
     }
     train_reward_model(str(tmp / "two-labels"), labels=2, steps=0)
     rows = [{"question": "Repeat the letter a. " * 10, "answer": "a"}] * 3  # longer than 64 - 16 tokens
     (tmp / "long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp / "not-chat.jsonl").write_text(json.dumps({"question": [{"role": "user"}], "answer": "a"}) + "\n")
     (tmp / "bin").mkdir()
     (tmp / "bin" / "nvidia-smi").write_text(
         "#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-1)'\necho 'GPU 1: NVIDIA H200'\n"
@@ -1024,6 +1028,14 @@ def test_a_reward_model_that_cannot_score_exits_with_one_line(one_line_errors):
     )
 
 
+def test_a_prompt_list_that_is_not_chat_messages_exits_with_one_line(one_line_errors):
+    results, tmp = one_line_errors
+    assert one_line(results["not_chat"]) == (
+        f"config error: data: {tmp}/not-chat.jsonl row 1: its field 'question' is a list but not chat messages "
+        '([{"role": ..., "content": ...}, ...])'
+    )
+
+
 def test_bad_key_exits_with_one_line(one_line_errors):
     assert one_line(one_line_errors[0]["bad_key"]) == (
         "config error: unknown config key 'grpo.num_prompts_per_stp' (did you mean 'grpo.num_prompts_per_step'?)"
@@ -1083,12 +1095,12 @@ def test_reward_fn_from_config():
     from examples import countdown
 
     cfg = plumbing.load_config(TINY + ["env.reward_fn=examples.countdown:reward"])
-    assert grpo.get_scoring(cfg)[1] == [(countdown.reward, 1.0)]
-    assert grpo.get_scoring(plumbing.load_config(TINY))[1] == [(grpo.debug_reward, 1.0)]  # the task's own
+    assert grpo.get_scoring(cfg)[1] == [grpo.Reward(countdown.reward, 1.0, "reward", "text")]
+    assert grpo.get_scoring(plumbing.load_config(TINY))[1] == grpo.rewards([grpo.debug_reward], [1.0])  # the task's
     cfg = plumbing.load_config(
         TINY + ["env.reward_fn=[grpo:debug_reward, grpo:math_reward]", "env.reward_weights=[1, 0.5]"]
     )
-    assert grpo.get_scoring(cfg)[1] == [(grpo.debug_reward, 1.0), (grpo.math_reward, 0.5)]
+    assert [(r.fn, r.weight) for r in grpo.get_scoring(cfg)[1]] == [(grpo.debug_reward, 1.0), (grpo.math_reward, 0.5)]
     with pytest.raises(plumbing.ConfigError, match="env.reward_fn: cannot load 'grpo:nope'"):
         grpo.get_scoring(plumbing.load_config(TINY + ["env.reward_fn=grpo:nope"]))
     with pytest.raises(plumbing.ConfigError, match="env.reward_fn must be 'module:function' or a reward model"):
@@ -1143,6 +1155,132 @@ def test_a_jsonl_file_holds_out_a_share_for_validation(tmp_path):
         assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
         assert [r["prompt"] for r in train] == sorted((r["prompt"] for r in train), key=lambda p: int(p[1:]))
     assert [r["prompt"] for r in val][:3] != ["q0", "q1", "q2"]  # not the first or last rows: a seeded draw
+
+
+def tiny_tokenizer(tmp_path):
+    plumbing.build_tiny_debug(str(tmp_path / "tiny"))
+    return transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tiny"))
+
+
+def test_a_prompt_of_chat_messages_is_the_chat(tmp_path):
+    """TRL's conversational rows: the messages go through the chat template as they are, data.system_prompt only where
+    they have no system message; a text prompt is a user turn in data.prompt_template. A (prompt, completion, answer)
+    reward gets the last user message."""
+    c, d = ({"role": "user", "content": f"Repeat the letter {x}."} for x in "cd")
+    terse, kind = {"role": "system", "content": "Be terse."}, {"role": "system", "content": "Be kind."}
+    rows = [
+        {"prompt": [c], "solution": "c"},
+        {"prompt": [terse, d], "solution": "d"},
+        {"prompt": "e?", "solution": "e"},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    keys = ["data.input_key=prompt", "data.output_key=solution", "data.prompt_template='Q: {}'"]
+    cfg = plumbing.load_config(TINY + keys + [f"data.dataset_name={path}", "data.system_prompt=Be kind."])
+    cfg.policy.max_total_sequence_length = 256
+    train, val = plumbing.load_datasets(cfg)
+    kept, dropped = plumbing.tokenize_prompts(train, tiny_tokenizer(tmp_path), cfg)
+    e = {"role": "user", "content": "Q: e?"}
+    assert dropped == 0 and val == [] and [r["messages"] for r in kept] == [[kind, c], [terse, d], [kind, e]]
+    assert [r["prompt"] for r in kept] == ["Repeat the letter c.", "Repeat the letter d.", "Q: e?"]
+    assert [r["answer"] for r in kept] == ["c", "d", "e"] and kept[1]["columns"] == rows[1]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tiny"))
+    assert tokenizer.decode(kept[1]["prompt_ids"]) == (
+        "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nRepeat the letter d.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    path.write_text(json.dumps({"prompt": [c, "Repeat the letter d."], "solution": "c"}) + "\n")
+    with pytest.raises(plumbing.ConfigError, match=f"{path} row 1: its field 'prompt' is a list but not chat messages"):
+        plumbing.load_datasets(cfg)
+
+
+def verl_rows(n: int, seed: int, split: str) -> list[dict]:
+    """The debug task as verl's preprocessing writes a data set: a chat prompt, the answer under reward_model."""
+    return [
+        {
+            "data_source": "letters",
+            "prompt": [{"role": "user", "content": row["question"]}],
+            "ability": "repeat",
+            "reward_model": {"style": "rule", "ground_truth": row["answer"]},
+            "extra_info": {"split": split, "index": i},
+        }
+        for i, row in enumerate(plumbing.debug_task(n, seed))
+    ]
+
+
+def test_parquet_csv_and_json_files_and_globs_nested_keys(tmp_path, monkeypatch):
+    """verl's Parquet shards (a glob) with the answer in a nested field; CSV; a JSON array and JSON Lines as .json;
+    a nested key missing on one row: one line naming it and the row; no pyarrow: one line saying what to install."""
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = verl_rows(6, 0, "train")
+    for k in range(2):
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows[3 * k : 3 * k + 3]), tmp_path / f"t-0000{k}.parquet")
+    keys = ["data.input_key=prompt", "data.output_key=reward_model.ground_truth"]
+    data = plumbing.load_config(TINY + keys).data
+    loaded = plumbing.load_rows(str(tmp_path / "t-*.parquet"), "train", data, 0, 0)
+    assert [r["messages"] for r in loaded] == [r["prompt"] for r in rows] and [r["columns"] for r in loaded] == rows
+    assert [r["answer"] for r in loaded] == [r["reward_model"]["ground_truth"] for r in rows]
+    del rows[4]["reward_model"]["ground_truth"]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "null.parquet")  # a struct's null field
+    with pytest.raises(plumbing.ConfigError, match="null.parquet row 5: its field 'reward_model.ground_truth' is null"):
+        plumbing.load_rows(str(tmp_path / "null.parquet"), "train", data, 0, 0)
+    (tmp_path / "missing.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(plumbing.ConfigError, match="missing.jsonl row 5 has no field 'reward_model.ground_truth'"):
+        plumbing.load_rows(str(tmp_path / "missing.jsonl"), "train", data, 0, 0)
+    (tmp_path / "d.csv").write_text('question,answer\n1+1,2\n"2+2, twice",4\n')
+    (tmp_path / "array.json").write_text(
+        json.dumps([{"question": "1+1", "answer": 2}, {"question": "2+2, twice", "answer": 4}])
+    )
+    (tmp_path / "lines.json").write_text('{"question": "1+1", "answer": 2}\n{"question": "2+2, twice", "answer": 4}\n')
+    data = plumbing.load_config(TINY + ["data.prompt_template='Q: {}'"]).data
+    for name in ("d.csv", "array.json", "lines.json"):
+        loaded = plumbing.load_rows(str(tmp_path / name), "train", data, 0, 0)
+        assert [(r["prompt"], r["answer"]) for r in loaded] == [("Q: 1+1", 2), ("Q: 2+2, twice", 4)], name
+    (tmp_path / "bad.json").write_text('[{"question": "1+1"}, 3]')
+    with pytest.raises(plumbing.ConfigError, match="bad.json is not a JSON array of objects"):
+        plumbing.load_rows(str(tmp_path / "bad.json"), "train", data, 0, 0)
+    with pytest.raises(plumbing.ConfigError, match="data: file not found: .*nothing-\\*.parquet"):
+        plumbing.load_rows(str(tmp_path / "nothing-*.parquet"), "train", data, 0, 0)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(
+        plumbing.ConfigError, match="^data.val_dataset_name: reading .*d.csv needs pyarrow: pip install pyarrow$"
+    ):
+        plumbing.load_rows(str(tmp_path / "d.csv"), "train", data, 0, 0)
+
+
+def verl_letter_score(data_source, solution_str, ground_truth, extra_info=None):
+    """debug_reward as a verl compute_score: it checks what it was given and returns verl's dict."""
+    assert data_source == "letters" and extra_info["split"] in ("train", "val") and len(ground_truth) == 1
+    return {"score": solution_str.count(ground_truth) / max(len(solution_str), 1), "pred": solution_str[:3]}
+
+
+@pytest.mark.slow
+def test_a_verl_data_set_and_compute_score_train(tmp_path):
+    """verl's Parquet files, keys and compute_score, beside a second reward weighted 0.3: 2 steps. The function gets
+    verl's arguments by name; the records show the chat; validation/accuracy is the first function's mean, each
+    function's mean logged."""
+    import pyarrow
+    import pyarrow.parquet
+
+    for split, n, seed in (("train", 256, 0), ("val", 16, 1)):
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(verl_rows(n, seed, split)), tmp_path / f"{split}.parquet")
+    args = [f"data.dataset_name={tmp_path}/train.parquet", f"data.val_dataset_name={tmp_path}/val.parquet"]
+    args += ["data.input_key=prompt", "data.output_key=reward_model.ground_truth", "grpo.max_num_steps=2"]
+    args += ["env.reward_fn=[test_grpo:verl_letter_score, grpo:debug_reward]", "env.reward_weights=[1.0, 0.3]"]
+    result = run(["grpo.py"] + TINY + args + [f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false"])
+    assert result.returncode == 0 and "verl_letter_score" not in result.stderr, result.stderr[-3000:]
+    samples = [json.loads(line) for line in open(tmp_path / "logs" / "train_data_step2.jsonl")]
+    assert all(s["messages"] == [{"role": "user", "content": s["prompt"]}] for s in samples)
+    assert [s["extra"]["pred"] for s in samples] == [s["turns"][0]["text"][:3] for s in samples]
+    assert [s["rewards"]["verl_letter_score"] for s in samples] == [s["rewards"]["debug_reward"] for s in samples]
+    val = [json.loads(line) for line in open(tmp_path / "logs" / "val_data_step2.jsonl")]
+    metrics = read_metrics(tmp_path / "logs")[-1]
+    accuracy = np.mean([s["rewards"]["verl_letter_score"] for s in val])
+    assert metrics["validation/accuracy"] == pytest.approx(accuracy) and accuracy > 0
+    assert metrics["validation/rewards/debug_reward/mean"] == pytest.approx(accuracy)
+    assert np.mean([s["reward"] for s in val]) == pytest.approx(1.3 * accuracy)
 
 
 @pytest.mark.slow
@@ -1219,7 +1357,8 @@ def score(reward_fns, texts, answers=None, runner=None) -> tuple[list[float], li
         rows.append({"prompt": f"p{i}", "answer": answer, "messages": messages, "columns": columns})
     samples = [grpo.Sample(r["prompt"], [1], [2], [0.0], [1]) for r in rows]
     info = {"step": 3, "consumed_samples": 20}
-    run = types.SimpleNamespace(reward_fns=reward_fns, runner=runner or plumbing.Runner(None), info=info)
+    run = types.SimpleNamespace(reward_fns=grpo.rewards(*zip(*reward_fns)), runner=runner or plumbing.Runner(None))
+    run.info = info
     run.cfg, run.train_rows = plumbing.load_config(TINY + ["grpo.max_num_steps=12"]), [None] * 8
     return grpo.score(run, rows, samples, texts, [[1]] * len(texts)), samples
 
@@ -2034,7 +2173,7 @@ def test_prompts_over_budget_are_dropped(tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     cfg = plumbing.load_config(TINY + ["policy.max_total_sequence_length=60", "policy.generation.max_new_tokens=16"])
-    rows = [{"prompt": "x" * n, "answer": "x"} for n in (5, 20, 200)]
+    rows = [{"prompt": "x" * n, "messages": [{"role": "user", "content": "x" * n}]} for n in (5, 20, 200)]
     kept, dropped = plumbing.tokenize_prompts(rows, tokenizer, cfg)
     assert dropped == 1 and [len(r["prompt"]) for r in kept] == [5, 20]
     assert tokenizer.decode(kept[0]["prompt_ids"]) == "<|im_start|>user\nxxxxx<|im_end|>\n<|im_start|>assistant\n"
@@ -3291,23 +3430,23 @@ def test_a_reward_model_scores_each_sample_as_transformers_does(dist_world, tmp_
     reward_model = str(tmp_path / "a-share-rm")
     train_reward_model(reward_model, steps=0)
     cfg = plumbing.load_config(TINY + [f"env.reward_fn={reward_model}", "policy.sequence_packing.logprob_mb_tokens=64"])
-    ((rm, weight),) = grpo.get_scoring(cfg)[1]
+    ((rm, weight, kind),) = [(r.fn, r.weight, r.kind) for r in grpo.get_scoring(cfg)[1]]
     rm.model = grpo.load_policy(rm.path, cfg, False, transformers.AutoModelForSequenceClassification)
     rm.model.config.pad_token_id = rm.tokenizer.pad_token_id
-    rows = [{"prompt": f"Repeat the letter {c}."} for c in "abcdabcd"]
+    rows = [{"messages": [{"role": "user", "content": f"Repeat the letter {c}."}]} for c in "abcdabcd"]
     texts = ["aaaa", "bbbb", "", "a b a b", "a" * 16, "x" * 600, "abc", "zzzz"]
     scores, cut = rm(rows, texts)
     plain = transformers.AutoModelForSequenceClassification.from_pretrained(reward_model)
     tokenizer = transformers.AutoTokenizer.from_pretrained(reward_model)
     for row, text, score, was_cut in zip(rows, texts, scores, cut):
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": text}], return_dict=False
+            row["messages"] + [{"role": "assistant", "content": text}], return_dict=False
         )
         assert was_cut == (len(ids) > 512)
         with torch.no_grad():
             want = plain(input_ids=torch.tensor([ids[-512:]])).logits[0, 0].item()
         assert score == pytest.approx(want, abs=1e-4), text
-    assert cut == [False] * 5 + [True, False, False] and weight == 1.0 and rm.__name__ == "a-share-rm"
+    assert cut == [False] * 5 + [True, False, False] and (weight, kind, rm.__name__) == (1.0, "model", "a-share-rm")
 
 
 @pytest.mark.slow
