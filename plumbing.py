@@ -15,12 +15,13 @@ imports grpo (under `python grpo.py`, grpo is __main__: a second copy would have
 
 from __future__ import annotations
 
-import asyncio, atexit, contextlib, difflib, glob, importlib, json, logging, math, multiprocessing, multiprocessing.connection
+import asyncio, atexit, contextlib, difflib, functools, glob, importlib, json, logging, math, multiprocessing, multiprocessing.connection
 import inspect, numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
 import warnings
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
+import jinja2
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -767,6 +768,31 @@ def load_carried(path: str, cfg: Config) -> list[dict]:
 # ======== Logs ========================================================================================================
 
 
+def mismatch_metrics(prev_logprobs, generation_logprobs, token_mask) -> dict:
+    """token_mult_prob_error (NeMo-RL's mean exp|logp_trainer - logp_engine|) and pi_trainer / pi_engine."""
+    log_ratio = (prev_logprobs - generation_logprobs)[token_mask > 0]  # [tokens]
+    error_sum, ratio_sum, n = all_reduce([log_ratio.abs().exp().sum(), log_ratio.exp().sum(), log_ratio.numel()])
+    high, low = all_reduce([log_ratio.max().exp(), -log_ratio.min().exp()], dist.ReduceOp.MAX)
+    return {
+        "train/token_mult_prob_error": error_sum / n,
+        "train/is_ratio_mean": ratio_sum / n,
+        "train/is_ratio_max": high,
+        "train/is_ratio_min": -low,
+    }
+
+
+def partial_rollout_metrics(run, samples: list, step: int) -> dict:
+    """How stale the step's trained tokens are: their age, the weight updates since each was generated (all ranks)."""
+    ages = (step - 1) - np.concatenate([[step - 1]] + [s.versions for s in samples])  # the trained tokens' (and a 0)
+    tokens, total, resumed, held = all_reduce([ages.size - 1, ages.sum(), (ages > 0).sum(), len(run.info["carried"])])
+    return {
+        "train/partial_rollouts/token_age_mean": total / tokens,
+        "train/partial_rollouts/token_age_max": all_reduce([ages.max()], dist.ReduceOp.MAX)[0],
+        "train/partial_rollouts/resumed_token_share": resumed / tokens,  # generated before a refit
+        "train/partial_rollouts/groups_carried": held,
+    }
+
+
 @contextlib.contextmanager
 def timed(times: dict, name: str):
     """Adds the block's wall-clock seconds to times[name] (the seed's Timer)."""
@@ -811,8 +837,15 @@ def record(s, **extra) -> dict:
     return {k: v for k, v in vars(s).items() if k not in per_token} | {"env_tokens": s.trained.count(0), **extra}
 
 
-def log_step(logger: Logger, step: int, cfg: Config, samples: list[dict], metrics: dict) -> None:
-    """The step's metrics from its samples (every rank's, as logged: record), logged and printed."""
+def log_step(logger: Logger, step: int, cfg: Config, batch, metrics: dict) -> list[dict]:
+    """The step's metrics and samples (every rank's, as logged: record), logged and printed -> the samples."""
+    columns = (batch.rewards, batch.advantages, batch.generation_logprobs, batch.prev_logprobs, batch.token_mask > 0)
+    samples = []
+    for s, reward, advantages, generation, prev, scored in zip(batch.samples, *(t.cpu() for t in columns)):
+        logprobs = {"generation_logprobs": generation[scored].tolist(), "prev_logprobs": prev[scored].tolist()}
+        advantage = advantages[scored].mean().item()  # its tokens' (one value: the sample's, unless a fork adds terms)
+        samples.append(record(s, shaped_reward=reward.item(), advantage=advantage, **logprobs))
+    samples = gather_all(samples)
     turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
     metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
     metrics["train/max_turns_per_sample"] = max(turns)
@@ -839,6 +872,7 @@ def log_step(logger: Logger, step: int, cfg: Config, samples: list[dict], metric
     print_samples(samples, cfg.logger.num_samples_to_print)
     if skipped := metrics["train/skipped_updates"]:
         print0(f"warning: step {step}: non-finite loss or gradient norm, {skipped} update(s) skipped")
+    return samples
 
 
 def reward_metrics(samples: list[dict], prefix: str) -> dict:
@@ -862,6 +896,36 @@ def print0(*args, **kwargs):
 
 
 # ======== Reward workers and failures: users' rewards, repeated failures ==============================================
+
+
+def env_step(env, text: str) -> tuple:
+    """(env, observation, reward, done): the environment comes back with its state (a worker steps a copy)."""
+    return (env, *env.step(text))
+
+
+def step_envs(runner: Runner, envs: list, texts: list[str]) -> list[tuple]:
+    """Each environment's step on its text -> (env, observation, reward, done, why it failed): a failure ends at 0."""
+    stepped, errors = [], []
+    for env, (result, why) in zip(envs, runner([(env_step, (env, text), {}) for env, text in zip(envs, texts)])):
+        why = why or not_finite(result[2])
+        if why:
+            errors.append(f"{type(env).__qualname__}.step {why}")
+        stepped.append((env, None, 0.0, True, why) if why else (*result[:2], float(result[2]), bool(result[3]), None))
+    warn_failures(errors, len(envs))
+    return stepped
+
+
+def observation_ids(tokenizer, role: str, text: str, after_eos: bool) -> list[int]:
+    """The chat template's tokens between two assistant turns around a `role` message (a template that refuses
+    the role gets a user one); generated tokens are never re-tokenized: rendered after placeholder turns, cut there."""
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "\x00"}]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
+    try:
+        full = render(chat + [{"role": role, "content": text}])
+    except jinja2.TemplateError:
+        full = render(chat + [{"role": "user", "content": text}])
+    suffix = full[full.index("\x00") + 1 :]  # after the placeholder assistant turn
+    return tokenizer.encode(suffix.removeprefix(tokenizer.eos_token) if after_eos else suffix, add_special_tokens=False)
 
 
 def trl_kwargs(rows: list[dict], texts: list[str], completion_ids: list, info: dict, cfg: Config, n_train: int) -> dict:
@@ -1077,6 +1141,31 @@ def stop_on_repeated_failures(failing: dict, samples: list[dict], per_rank: int,
 # ======== Distributed start, a failing rank, stop signals =============================================================
 
 
+def device() -> torch.device:
+    """This rank's device: its GPU (by the node-local rank), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def share(n: int) -> slice:
+    """This rank's contiguous share of n items (n divisible by the world size)."""
+    per_rank = n // dist.get_world_size()
+    return slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
+
+
+def gather_all(records: list) -> list:
+    """Every rank's records, concatenated in rank order, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, records)
+    return [r for part in out for r in part]
+
+
+def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> list[float]:
+    """Summed (or op) over ranks. A mean over ranks: sum its numerator and its count, then divide."""
+    t = torch.as_tensor(values, dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def setup_distributed() -> None:
     """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` becomes a world of one."""
     if "RANK" not in os.environ:
@@ -1162,7 +1251,7 @@ def check_refit(engine, model, prompt_ids: list[list[int]], buckets) -> None:
     generation twice (the engine's own noise), then after a refit with the weights it holds (`buckets`)."""
     requests = {f"check-{i}": (ids, i, None, 16) for i, ids in enumerate(prompt_ids)}
     first, second = engine.step_until(requests), engine.step_until(requests)
-    engine.refit(buckets)
+    engine.update_weights(buckets)
     after = engine.step_until(requests)
 
     def max_diff(a: dict, b: dict) -> float:  # over each pair's tokens up to the first that differs

@@ -164,17 +164,15 @@ def _loss(ratios, advantages, cfg, ref_minus_logp=None, mask=None, normalizer=No
     gen = torch.zeros_like(logprobs) if engine_ratios is None else torch.log(torch.tensor([engine_ratios]))
     mask = torch.ones_like(logprobs) if mask is None else torch.tensor([mask])
     ref = None if ref_minus_logp is None else logprobs + torch.tensor([ref_minus_logp])
-    # one sample per token so that each token can carry its own advantage
-    return grpo.clipped_pg_loss(
-        logprobs.T,
-        torch.zeros_like(logprobs.T) if entropy is None else torch.tensor([entropy]).T,
-        prev.T,
-        gen.T,
-        torch.tensor(advantages),
-        mask.T,
-        None if ref is None else ref.T,
-        cfg,
-        normalizer or mask.sum().item(),
+    entropy = torch.zeros_like(logprobs) if entropy is None else torch.tensor([entropy])
+    mb = micro(prev, gen, torch.tensor([advantages]), mask, ref)
+    return grpo.clipped_pg_loss(logprobs, entropy, mb, cfg, normalizer or mask.sum().item())
+
+
+def micro(prev, gen, advantages, mask, ref=None) -> types.SimpleNamespace:
+    """What clipped_pg_loss reads of a micro-batch, [B, T] each."""
+    return types.SimpleNamespace(
+        prev_logprobs=prev, generation_logprobs=gen, advantages=advantages, loss_mask=mask, reference_logprobs=ref
     )
 
 
@@ -212,17 +210,9 @@ def test_kl_is_clamped_like_nemo_rl():
 
     def kl_and_grad(**bounds):
         cfg = loss_cfg(reference_policy_kl_penalty=1.0, **bounds)
-        loss, metrics = grpo.clipped_pg_loss(
-            logprobs[:, None],
-            torch.zeros_like(mask),
-            logprobs.detach()[:, None],
-            logprobs.detach()[:, None],
-            torch.zeros(len(d), dtype=torch.float64),
-            mask,
-            (logprobs.detach() + d)[:, None],
-            cfg,
-            1.0,
-        )
+        same = logprobs.detach()[:, None]
+        mb = micro(same, same, torch.zeros_like(mask), mask, (logprobs.detach() + d)[:, None])
+        loss, metrics = grpo.clipped_pg_loss(logprobs[:, None], torch.zeros_like(mask), mb, cfg, 1.0)
         (grad,) = torch.autograd.grad(loss, logprobs)
         return metrics["kl"], grad
 
@@ -315,7 +305,9 @@ def test_gspo_and_truncated_is_match_an_independent_implementation(gspo, kind):
         truncated_importance_sampling_ratio_min=0.9 if gspo and kind != "seq-mask-tis" else 0.95,
     )
     normalizer = mask.sum().item() if cfg.token_level_loss else B
-    loss, metrics = grpo.clipped_pg_loss(lp, torch.zeros_like(lp), prev, gen, adv, mask, None, cfg, normalizer)
+    loss, metrics = grpo.clipped_pg_loss(
+        lp, torch.zeros_like(lp), micro(prev, gen, adv[:, None] * mask, mask), cfg, normalizer
+    )
     expected, oob = reference_pg_loss(lp.tolist(), prev.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), cfg)
     print(f"gspo={gspo} {kind}: loss {loss.item():.6f} (reference {expected:.6f}), is_oob_ratio {oob:.3f}")
     assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
@@ -328,7 +320,7 @@ def test_gspo_needs_sequence_level_loss():
         plumbing.load_config(TINY + ["loss_fn.sequence_level_importance_ratios=true"])
 
 
-def test_overlong_reward_shaping_hand_values():
+def test_overlong_reward_shaping_hand_values(dist_world):
     cfg = plumbing.load_config(
         TINY
         + [
@@ -347,17 +339,20 @@ def test_overlong_reward_shaping_hand_values():
     # the penalty grows linearly over the last 4 tokens of 16: -(L - 12) / 4 x 0.5, never positive
     assert batch.rewards.tolist() == pytest.approx([1.0, 1.0, 0.875, 0.75, 0.5])
     assert batch.truncated.tolist() == [False, False, False, False, True]
+    assert batch.loss_mask.sum(1).tolist() == [8, 12, 13, 14, 16]  # overlong filtering off: all trained
+    cfg.grpo.overlong_filtering = True
+    assert grpo.make_batch(samples, cfg, 0).loss_mask.sum(1).tolist() == [8, 12, 13, 14, 0]
 
 
 def test_mismatch_metrics(dist_world):
     prev = torch.tensor([[0.0, -1.0, -2.0, 5.0]])
     gen = torch.tensor([[0.0, -1.0 - math.log(2), -2.0 + math.log(4), 0.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])  # first and last are prompt/padding
-    m = grpo.mismatch_metrics(prev, gen, mask)
+    m = plumbing.mismatch_metrics(prev, gen, mask)
     assert m["train/token_mult_prob_error"] == pytest.approx((2 + 4) / 2)  # exp|diff|: NeMo-RL's definition
     assert m["train/is_ratio_mean"] == pytest.approx((2 + 0.25) / 2)
     assert (m["train/is_ratio_max"], m["train/is_ratio_min"]) == (pytest.approx(2.0), pytest.approx(0.25))
-    same = grpo.mismatch_metrics(prev, prev, mask)
+    same = plumbing.mismatch_metrics(prev, prev, mask)
     assert same["train/token_mult_prob_error"] == 1.0 and same["train/is_ratio_mean"] == 1.0
 
 
@@ -664,9 +659,9 @@ def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, mult
     truncated, ages = 0, []
     for step in range(1, 41):
         before = run.engine.generated
-        batch, metrics = grpo.rollout(run, step)
+        samples, metrics = grpo.rollout(run, step)
         assert metrics["train/generated_tokens"] == run.engine.generated - before
-        truncated += batch.truncated.sum().item()
+        truncated += sum(s.end == "truncated" for s in samples)
         ages.append(metrics["train/partial_rollouts/token_age_max"])
     carried = [s for group in run.info["carried"] for s in group["samples"]]
     assert run.info["consumed_samples"] == 40 * 16 + len(run.info["carried"])  # none dropped
@@ -1096,7 +1091,7 @@ def test_reward_fn_from_config():
 
     cfg = plumbing.load_config(TINY + ["env.reward_fn=examples.countdown:reward"])
     assert grpo.get_scoring(cfg)[1] == [grpo.Reward(countdown.reward, 1.0, "reward", "text")]
-    assert grpo.get_scoring(plumbing.load_config(TINY))[1] == grpo.rewards([grpo.debug_reward], [1.0])  # the task's
+    assert grpo.rewards([grpo.debug_reward], [1.0]) == grpo.rewards([grpo.debug_reward], [1.0])  # the task's
     cfg = plumbing.load_config(
         TINY + ["env.reward_fn=[grpo:debug_reward, grpo:math_reward]", "env.reward_weights=[1, 0.5]"]
     )
@@ -1437,7 +1432,7 @@ def test_trl_reward_functions_run_as_trl_runs_them(dist_world, capfd):
     for sample, reward in zip(samples, rewards):
         sample.reward = reward
     cfg = plumbing.load_config(TINY + ["grpo.num_generations_per_prompt=4"])
-    advantages = grpo.make_batch(samples, cfg, 0).advantages.tolist()
+    advantages = grpo.make_batch(samples, cfg, 0).advantages.sum(1).tolist()  # one completion token each
     # leave-one-out over the scored 1, 0.5, 0: the 1's others 0.5, 0 (mean 0.25, std 0.354); 0.5's 1, 0; 0's 1, 0.5
     want = [0.75 / math.sqrt(0.125), 0.0, 0.0, -0.75 / math.sqrt(0.125)]
     assert advantages == pytest.approx(want) and rewards == [1.0, 0.0, 0.5, 0.0]
@@ -1748,13 +1743,13 @@ def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, time
         assert both == [1.0, 0.0] and "hanging_trl_reward gave no result within" in capfd.readouterr().err
     # an environment: its state comes back from the worker; a failing step ends that episode only
     envs = [FlakyEnv({}) for _ in range(3)]
-    first = grpo.step_envs(runner, envs, ["ok", "x", "sleep" if timeout else "ok"])
+    first = plumbing.step_envs(runner, envs, ["ok", "x", "sleep" if timeout else "ok"])
     assert [r[1:4] for r in first] == [
         ("again", 0.5, False),
         (None, 0.0, True),
         (None, 0.0, True) if timeout else ("again", 0.5, False),
     ]
-    assert grpo.step_envs(runner, [first[0][0]], ["ok"])[0][1:] == ("again", 0.5, True, None)  # the state travelled
+    assert plumbing.step_envs(runner, [first[0][0]], ["ok"])[0][1:] == ("again", 0.5, True, None)  # the state travelled
     assert "FlakyEnv.step raised KeyError: 'no x'" in capfd.readouterr().err
     runner.close()
     elapsed = time.perf_counter() - start
@@ -1848,6 +1843,11 @@ def debug_rollout(engine, rows, tokenizer, cfg, seeds) -> grpo.RolloutBatch:
     return grpo.make_batch(grpo.generate_samples(run, rows, seeds, 8), cfg, tokenizer.pad_token_id)
 
 
+def as_run(engine, policy, optimizer, cfg) -> types.SimpleNamespace:
+    """What refit_policy_generation reads of a run."""
+    return types.SimpleNamespace(engine=engine, policy=policy, reference=None, optimizer=optimizer, cfg=cfg)
+
+
 def logprobs(model, batch, cfg) -> torch.Tensor:
     return grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
 
@@ -1859,8 +1859,9 @@ def small_batch(seed: int = 0) -> grpo.RolloutBatch:
     ids, mask, gen_lp = grpo.pack_batch(
         [grpo.Sample("", p, c, [0.0] * len(c), [1] * len(c)) for p, c in zip(prompts, completions)], 0
     )
+    advantages = torch.randn(6, 1, generator=g) * mask  # [B, T]
     return grpo.RolloutBatch(
-        ids, mask, gen_lp, torch.zeros(6), torch.randn(6, generator=g), torch.zeros(6, dtype=bool), []
+        ids, mask, mask.clone(), gen_lp, advantages, torch.zeros(6), torch.zeros(6, dtype=bool), []
     )
 
 
@@ -1899,6 +1900,60 @@ def test_global_normalization_is_independent_of_micro_batches(dist_world, tmp_pa
     assert results[0][0] > 0
 
 
+def trained_twice(path: str, cfg, round_trip: bool) -> tuple[list, list, dict]:
+    """Two training steps on small_batch, the trainer to host memory and back between them (round_trip) or not ->
+    the losses, the final weights and what the round trip moved: bytes freed on the device, the optimizer state's
+    and the weights' bytes, seconds each way."""
+    torch.manual_seed(0)
+    policy = grpo.load_policy(path, cfg, trainable=True)
+    run = types.SimpleNamespace(policy=policy, reference=None, optimizer=grpo.make_optimizer(policy, cfg))
+    batch = small_batch()
+    for name, value in vars(batch).items():
+        setattr(batch, name, value.to(plumbing.device()) if isinstance(value, torch.Tensor) else value)
+    allocated = torch.cuda.memory_allocated if torch.cuda.is_available() else lambda: 0
+    local_bytes = lambda t: (t.to_local() if hasattr(t, "to_local") else t).nbytes  # noqa: E731
+    losses, moved = [], {}
+    for step in (1, 2):
+        batch.prev_logprobs = None  # pi_old: the update's own forward
+        losses.append(grpo.train_step(policy, run.optimizer, batch, cfg, step)["train/loss"])
+        if round_trip and step == 1:
+            ids, before, start = [id(p) for p in policy.parameters()], allocated(), time.perf_counter()
+            state = run.optimizer.state.values()
+            moved["state_bytes"] = sum(local_bytes(v) for s in state for k, v in s.items() if k != "step")
+            moved["weight_bytes"] = sum(local_bytes(p) for p in policy.parameters())
+            grpo.move_trainer(run, "cpu")
+            moved["freed_bytes"], moved["to_host_s"], start = (
+                before - allocated(),
+                time.perf_counter() - start,
+                time.perf_counter(),
+            )
+            grpo.move_trainer(run, plumbing.device())
+            moved["to_device_s"] = time.perf_counter() - start
+            assert [id(p) for p in policy.parameters()] == ids  # the optimizer's keys
+    return losses, [p.full_tensor() for p in policy.parameters()], moved
+
+
+@pytest.mark.parametrize(
+    "where", [pytest.param("here", marks=pytest.mark.slow), pytest.param("gpu", marks=pytest.mark.gpu)]
+)
+def test_the_trainer_to_host_memory_and_back_changes_nothing(dist_world, tmp_path, where):
+    """What refit_policy_generation and finish_generation do around vLLM's generation: the policy's shards and AdamW's
+    state to host memory and back, between two training steps, give the same losses and weights as no move. On a GPU
+    (bf16, fp32 masters) the device memory falls by at least the state's and the weights' bytes; on a CPU the moves
+    are no-ops."""
+    if where == "gpu":
+        needs_gpus(1, vllm=False)
+    path = str(tmp_path / "tiny")
+    plumbing.build_tiny_debug(path)
+    cfg = plumbing.load_config(TINY + ["policy.precision=bfloat16"] * torch.cuda.is_available())
+    losses, weights, moved = trained_twice(path, cfg, round_trip=True)
+    same_losses, same_weights, _ = trained_twice(path, cfg, round_trip=False)
+    print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: {moved}")
+    assert losses == same_losses and all(torch.equal(a, b) for a, b in zip(weights, same_weights))
+    if torch.cuda.is_available():
+        assert moved["freed_bytes"] >= moved["state_bytes"] + moved["weight_bytes"] > 0
+
+
 @pytest.mark.parametrize("token_level", [True, False])
 def test_overlong_filtering_trains_as_if_truncated_samples_were_absent(dist_world, tmp_path, token_level):
     path = str(tmp_path / "tiny")
@@ -1906,20 +1961,8 @@ def test_overlong_filtering_trains_as_if_truncated_samples_were_absent(dist_worl
     common = TINY + ["grpo.num_generations_per_prompt=1", f"loss_fn.token_level_loss={str(token_level).lower()}"]
     batch, keep = small_batch(), torch.tensor([0, 2, 3, 5])
     batch.truncated[[1, 4]] = True
-    part = grpo.RolloutBatch(
-        *(
-            t[keep]
-            for t in (
-                batch.input_ids,
-                batch.token_mask,
-                batch.generation_logprobs,
-                batch.rewards,
-                batch.advantages,
-                batch.truncated,
-            )
-        ),
-        [],
-    )
+    batch.loss_mask[[1, 4]] = 0  # what make_batch leaves of them under grpo.overlong_filtering
+    part = batch.micro(keep, batch.input_ids.shape[1])
     filtered = _grad_norm_and_loss(
         plumbing.load_config(
             common + ["grpo.num_prompts_per_step=6", "policy.train_global_batch_size=6", "grpo.overlong_filtering=true"]
@@ -2064,7 +2107,7 @@ def uneven_worker():
             metrics["train/grad_norm"],
             metrics["train/loss"],
         ]
-    gathered = grpo.gather_all([{"rank": rank, **results}])  # one line: two ranks' prints could interleave
+    gathered = plumbing.gather_all([{"rank": rank, **results}])  # one line: two ranks' prints could interleave
     if rank == 0:
         print(json.dumps(gathered), flush=True)
     torch.distributed.barrier()
@@ -2282,7 +2325,7 @@ def refit_worker():
     stale, _, _ = max_diff(2)
     tracked = LiveBytes(grpo.weight_buckets(policy, cfg))
     start = time.perf_counter()
-    engine.refit(tracked)
+    engine.update_weights(tracked)
     refit_s = time.perf_counter() - start
     after, batch, _ = max_diff(3)
     # vLLM returns the EOS it stopped on as the last completion token
@@ -2412,7 +2455,7 @@ def precision_worker():
         batch.prev_logprobs = logprobs(policy, batch, cfg)  # the trainer's own, with the copy the engine holds
         errors.append((batch.prev_logprobs - batch.generation_logprobs).abs()[batch.token_mask > 0].mean().item())
         grpo.train_step(policy, optimizer, batch, cfg, step=step)
-        engine.prepare_for_generation(policy, version=step)
+        grpo.refit_policy_generation(as_run(engine, policy, optimizer, cfg), step)
     master = master_weight()
     moved = master - master_start
 
@@ -2483,7 +2526,7 @@ def multiturn_worker():
     batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 1, 0, 64))
     batch.prev_logprobs = logprobs(policy, batch, cfg)
     grpo.train_step(policy, optimizer, batch, cfg, step=1)
-    engine.prepare_for_generation(policy, version=1)
+    grpo.refit_policy_generation(as_run(engine, policy, optimizer, cfg), 1)
     calls = []  # per engine call (one per turn): the (prompt, output) token pairs it saw
     step_until = engine.step_until
 
@@ -2618,7 +2661,7 @@ def router_bias_worker():
     policy.get_buffer(name).copy_(torch.tensor([0.5, -0.25, 0.125, 1.0]))  # the checkpoint's: zeros
     engine.llm.apply_model(lambda model: model.get_parameter(name).data.fill_(math.nan))
     sent = dict(pair for bucket in grpo.weight_buckets(policy, cfg) for pair in bucket)[name]
-    engine.refit(grpo.weight_buckets(policy, cfg))
+    engine.update_weights(grpo.weight_buckets(policy, cfg))
     held = engine.llm.apply_model(lambda model: model.get_parameter(name).tolist())[0]
     plumbing.export_hf(grpo.weight_buckets(policy, cfg), policy, tokenizer, out + "/hf", cfg)
     exported = transformers.AutoModelForCausalLM.from_pretrained(out + "/hf").get_buffer(name).tolist()
@@ -2675,14 +2718,14 @@ def gpu_worker():
         used_gib[phase] = round((total - free) / 2**30, 2)
 
     for step in range(1, 6):
-        engine.prepare_for_generation(policy, version=step - 1)
+        grpo.refit_policy_generation(as_run(engine, policy, optimizer, cfg), step - 1)
         measure(f"{step} awake")
         batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, step, rank * 64, 64))
         engine.finish_generation()
         measure(f"{step} asleep")
         batch.prev_logprobs = logprobs(policy, batch, cfg)
         error = (batch.prev_logprobs - batch.generation_logprobs).abs()[batch.token_mask > 0]
-        errors.append(grpo.all_reduce([error.mean().item()], torch.distributed.ReduceOp.MAX)[0])
+        errors.append(plumbing.all_reduce([error.mean().item()], torch.distributed.ReduceOp.MAX)[0])
         grpo.train_step(policy, optimizer, batch, cfg, step=step)
         measure(f"{step} trained")
     plumbing.print0(json.dumps({"mean_abs_logprob_error_per_step": errors, "used_gib_rank0": used_gib}))
