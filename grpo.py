@@ -7,9 +7,10 @@ the loop, near the end of the file; the step's parts come first), a named call e
   2. generate: draw `num_prompts_per_step` prompts (each rank its share), `num_generations_per_prompt` completions
      per prompt (a group) with their sampling logprobs, and reward each: r_i = reward_fn(prompt, completion, answer)
      (or an environment's turns); then the engine sleeps (on a GPU) while FSDP trains;
-  3. advantages, from the whole step's rewards, on each generated token of sample i:
+  3. advantages, from the whole step's (shaped) rewards, on each generated token of sample i:
          A_i = (r_i - mean of the group's other rewards) / their std (by default: leave-one-out, normalized);
-  4. logprobs of the sampled tokens under pi_old (the policy before the update) and pi_ref (if there is a KL term);
+  4. logprobs of the sampled tokens under pi_ref (if there is a KL term) and pi_old (the policy before the update;
+     with one update a step, that update's own forward in step 5);
   5. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
      With one update a step (the default: the step's samples are one train_global_batch_size), pi_old is that
@@ -444,8 +445,8 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: plumbing.Config, step
     global batch, however it is split into ranks and micro-batches; a step makes n_updates of them."""
     g, p = cfg.grpo, cfg.policy
     n_updates = updates_per_step(cfg)
-    own_prev = batch.prev_logprobs is None  # one update: pi_old is its own forward (policy_and_reference_logprobs)
-    if own_prev:
+    pi_old_is_own_forward = batch.prev_logprobs is None  # one update a step (policy_and_reference_logprobs decided)
+    if pi_old_is_own_forward:
         batch.prev_logprobs = torch.zeros_like(batch.generation_logprobs)  # filled micro-batch by micro-batch
     sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}, as tensors
     loss_sum, grad_norms, skipped = 0.0, [], 0
@@ -459,7 +460,7 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: plumbing.Config, step
         for m, width in plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"):
             mb = batch.micro(m, width)  # [mbs, width] each
             logprobs, entropy = policy_logprobs(model, mb.input_ids, mb.token_mask, cfg)
-            if own_prev:
+            if pi_old_is_own_forward:
                 mb.prev_logprobs = batch.prev_logprobs[m, :width] = logprobs.detach()
             loss, metrics = clipped_pg_loss(logprobs, entropy, mb, cfg.loss_fn, normalizer.clamp(min=1.0))
             # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
@@ -624,12 +625,12 @@ def refit_policy_generation(run: Run, version: int) -> None:
     if isinstance(engine, HFEngine) or (engine.version == version and not engine.asleep):
         return
     if offload:
-        move_trainer(run, "cpu", models=False)
+        move_trainer(run, "cpu", "optimizer")
     engine.prepare_for_generation("weights")
-    generator = torch.Generator(device()).manual_seed(seed_of(run.cfg.grpo.seed, version))  # bf16: stochastic rounding
+    generator = torch.Generator(device()).manual_seed(seed_of(run.cfg.grpo.seed, version))  # LoRA's merge, in bf16
     engine.update_weights(weight_buckets(run.policy, run.cfg, generator))
     if offload:
-        move_trainer(run, "cpu", optimizer=False)
+        move_trainer(run, "cpu", "models")
     engine.prepare_for_generation("kv_cache")
     engine.version = version
 
@@ -638,18 +639,17 @@ def finish_generation(run: Run) -> None:
     """The engine sleeps (CUDA) while FSDP trains; the trainer comes back to the device for the logprobs and the
     update (a no-op where it never left)."""
     run.engine.finish_generation()
-    move_trainer(run, device())
+    if run.cfg.policy.offload_during_generation:
+        move_trainer(run, device(), "models", "optimizer")
 
 
-def move_trainer(run: Run, to, models: bool = True, optimizer: bool = True) -> None:
-    """The policy's and the reference's FSDP shards (the same Parameter objects: the optimizer's keys) and AdamW's state
-    (moments; bf16: the fp32 masters; its step counts stay where torch keeps them) to `to`. A no-op on the CPU."""
-    for model in dict.fromkeys([run.policy, run.reference] if models else []):  # LoRA: the reference is the policy
-        if model is not None:
-            model.to(to)
-    for state in run.optimizer.state.values() if optimizer else []:
+def move_trainer(run: Run, to, *parts: str) -> None:
+    """To `to`: "models", the policy's and reference's FSDP shards (the same Parameters: the optimizer's keys), and/or
+    "optimizer", AdamW's state (fp32 masters too; not its step counts). The engine's next wake frees the blocks."""
+    for model in {run.policy, run.reference} - {None} if "models" in parts else ():  # LoRA: reference = policy
+        model.to(to)
+    for state in run.optimizer.state.values() if "optimizer" in parts else []:
         state.update({k: v.to(to, non_blocking=True) for k, v in state.items() if k != "step"})
-    torch.cuda.empty_cache()  # vLLM's wake allocates outside torch's cache: give it the blocks freed here
 
 
 def free_gib() -> float:
@@ -658,7 +658,8 @@ def free_gib() -> float:
 
 class VllmEngine:
     """An in-process vLLM engine per tensor-parallel group, NeMo-RL's generation interface: step_until generates,
-    prepare_for_generation wakes it, update_weights streams weights in, finish_generation puts it to sleep (CUDA)."""
+    prepare_for_generation wakes it, update_weights streams weights in, finish_generation puts it to sleep (CUDA).
+    asleep: the memory asleep, "weights" and "kv_cache" (empty: awake)."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         vcfg = cfg.policy.generation.vllm_cfg
@@ -830,8 +831,7 @@ class HFEngine:
         self.generated += sum(len(ids) for ids, _, _ in out.values())
         return out
 
-    # It generates with the training weights themselves: nothing to wake, refit, put to sleep or shut down.
-    finish_generation = close = staticmethod(lambda: None)
+    finish_generation = close = staticmethod(lambda: None)  # it generates with the policy: nothing to sleep or close
 
 
 # ======== Model: tiny-debug, FSDP2 policy, optimizer, weight buckets for refit and export =============================
@@ -1162,7 +1162,7 @@ def train(cfg: plumbing.Config) -> None:
                 refit_policy_generation(run, version=step - 1)
             with plumbing.timed(times, "generation"):  # completions, and their rewards
                 samples, rollout_metrics = rollout(run, step)
-            finish_generation(run)  # the engine sleeps (CUDA) while FSDP trains
+            finish_generation(run)  # the engine sleeps (CUDA) while FSDP trains; the trainer comes back
             with plumbing.timed(times, "advantages"):
                 batch = make_batch(samples, cfg, run.tokenizer.pad_token_id)
             with plumbing.timed(times, "policy_and_reference_logprobs"):
@@ -1224,7 +1224,7 @@ def setup(cfg: plumbing.Config) -> Run:
 def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict) -> None:
     """Throughput per device, log, print; stop after grpo.max_consecutive_nonfinite steps in a row with non-finite
     updates, or with a reward function (or environment) failing on every sample."""
-    g, world = run.cfg.grpo, dist.get_world_size()
+    world = dist.get_world_size()
     local = [batch.token_mask.sum().item(), sample_lengths(batch.token_mask).sum().item(), len(batch.rewards)]
     completions, trained, n = all_reduce(local)  # trained: prompt + completion tokens, no padding
     metrics["train/mean_gen_tokens"] = completions / n
@@ -1233,7 +1233,7 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     metrics.update({**run.engine.metrics, **{f"timing/train/{k}": v for k, v in times.items()}})
     run.engine.metrics.clear()
     samples = plumbing.log_step(run.logger, step, run.cfg, batch, metrics)  # every rank's, as logged
-    limit, skipped = g.max_consecutive_nonfinite, metrics["train/skipped_updates"]
+    skipped, limit = metrics["train/skipped_updates"], run.cfg.grpo.max_consecutive_nonfinite
     run.failing = plumbing.stop_on_repeated_failures(run.failing, samples, len(batch.rewards), skipped, limit)
 
 

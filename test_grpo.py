@@ -1921,13 +1921,13 @@ def trained_twice(path: str, cfg, round_trip: bool) -> tuple[list, list, dict]:
             state = run.optimizer.state.values()
             moved["state_bytes"] = sum(local_bytes(v) for s in state for k, v in s.items() if k != "step")
             moved["weight_bytes"] = sum(local_bytes(p) for p in policy.parameters())
-            grpo.move_trainer(run, "cpu")
+            grpo.move_trainer(run, "cpu", "models", "optimizer")
             moved["freed_bytes"], moved["to_host_s"], start = (
                 before - allocated(),
                 time.perf_counter() - start,
                 time.perf_counter(),
             )
-            grpo.move_trainer(run, plumbing.device())
+            grpo.move_trainer(run, plumbing.device(), "models", "optimizer")
             moved["to_device_s"] = time.perf_counter() - start
             assert [id(p) for p in policy.parameters()] == ids  # the optimizer's keys
     return losses, [p.full_tensor() for p in policy.parameters()], moved
@@ -2082,7 +2082,7 @@ def uneven_worker():
     rank = torch.distributed.get_rank()
     batch = small_batch()
     rows = [0] if rank == 0 else [1, 2, 3]
-    batch = grpo.RolloutBatch(*(t[rows] for t in list(vars(batch).values())[:6]), [])
+    batch = batch.micro(torch.tensor(rows), batch.input_ids.shape[1])
     results = {}
     for budget in (4096, 8, 20, 1):
         options = ["policy.train_global_batch_size=4"]
