@@ -365,15 +365,17 @@ def json_row(line: str, path: str, number: int) -> dict:
     raise ConfigError(f"data: {path} line {number} is not a JSON object")
 
 
-def field_of(row: dict, key: str) -> Any:
-    """row[key]; a key with dots is a nested field (verl's reward_model.ground_truth). Missing: KeyError."""
-    if key in row:
-        return row[key]
-    for part in key.split("."):
-        if not isinstance(row, dict) or part not in row:
-            raise KeyError(key)
-        row = row[part]
-    return row
+def field_of(row: dict, key: str, where: str) -> Any:
+    """row[key], a key with dots a nested field (verl's reward_model.ground_truth); missing or null: a ConfigError that
+    names `where`, the file and row."""
+    value = row
+    for part in [key] if key in row else key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ConfigError(f"data: {where} has no field '{key}' (fields: {sorted(row)})")
+        value = value[part]
+    if value is None:
+        raise ConfigError(f"data: {where}: its field '{key}' is null")
+    return value
 
 
 def is_chat(value: Any) -> bool:
@@ -405,21 +407,16 @@ def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> li
         raise ConfigError(f"data: {name} ({split}) is empty")
     rows = []
     for i, r in enumerate(records):
-        for column in (data.input_key, data.output_key):
-            try:
-                if field_of(r, column) is None:
-                    raise ConfigError(f"data: {name} row {i + 1}: its field '{column}' is null")
-            except KeyError:
-                raise ConfigError(f"data: {name} row {i + 1} has no field '{column}' (fields: {sorted(r)})")
-        prompt = field_of(r, data.input_key)
+        where = f"{name} row {i + 1}"
+        prompt, answer = field_of(r, data.input_key, where), field_of(r, data.output_key, where)
         if isinstance(prompt, list) and not is_chat(prompt):
             raise ConfigError(
-                f"data: {name} row {i + 1}: its field '{data.input_key}' is a list but not chat messages "
+                f"data: {where}: its field '{data.input_key}' is a list but not chat messages "
                 '([{"role": ..., "content": ...}, ...])'
             )
         chat = prompt if is_chat(prompt) else [{"role": "user", "content": data.prompt_template.format(prompt)}]
         text = next((m["content"] for m in reversed(chat) if m["role"] == "user"), chat[-1]["content"])
-        rows.append({"messages": chat, "prompt": text, "answer": field_of(r, data.output_key), "columns": r})
+        rows.append({"messages": chat, "prompt": text, "answer": answer, "columns": r})
     return rows
 
 
@@ -944,13 +941,8 @@ def trl_kwargs(rows: list[dict], texts: list[str], completion_ids: list, info: d
 def verl_kwargs(row: dict, text: str) -> dict:
     """What verl passes its compute_score: the row's data_source and extra_info (None where it has none), the
     completion and the answer (data.output_key: verl's reward_model.ground_truth)."""
-    columns = row["columns"]
-    return dict(
-        data_source=columns.get("data_source"),
-        solution_str=text,
-        ground_truth=row["answer"],
-        extra_info=columns.get("extra_info"),
-    )
+    data_source, extra_info = row["columns"].get("data_source"), row["columns"].get("extra_info")
+    return dict(data_source=data_source, solution_str=text, ground_truth=row["answer"], extra_info=extra_info)
 
 
 def call_trl(runner: Runner, fn: Callable, kwargs: dict, samples: list) -> list[tuple]:
