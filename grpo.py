@@ -679,7 +679,7 @@ class VllmEngine:
         self.llm = LLM(
             model=path,
             dtype=cfg.policy.precision,
-            seed=cfg.grpo.seed,
+            seed=cfg.grpo.seed,  # the engine's; each request's own seed (step_until) decides its samples
             tensor_parallel_size=tp,
             distributed_executor_backend="external_launcher",
             gpu_memory_utilization=vcfg.gpu_memory_utilization,
