@@ -15,9 +15,9 @@ imports grpo (under `python grpo.py`, grpo is __main__: a second copy would have
 
 from __future__ import annotations
 
-import asyncio, atexit, contextlib, difflib, functools, glob, importlib, json, logging, math, multiprocessing, multiprocessing.connection
-import inspect, numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
-import warnings
+import asyncio, atexit, contextlib, difflib, functools, glob, importlib, inspect, json, logging, math, multiprocessing
+import multiprocessing.connection, numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile
+import threading, time, traceback, warnings
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
