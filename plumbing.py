@@ -1,16 +1,8 @@
 """
-plumbing.py: what every run of grpo.py needs and a reader of the algorithm skips. grpo.py imports it; it never
-imports grpo (under `python grpo.py`, grpo is __main__: a second copy would have its own classes and globals).
-
-  Config            config.yaml, a --config file, the tiny-debug preset and the command line -> one checked Config;
-                    the run's inputs checked before any model loads
-  Data files        tasks, local files (JSONL, JSON, Parquet, CSV) and HF datasets -> prompt rows (text or chat); the
-                    data order; tiny-debug; math answers parsed
-  Checkpoints       DCP shards, training_info.json, the carried groups of partial rollouts, HF and PEFT exports
-  Logs              metrics.jsonl, wandb, TensorBoard, the printed lines
-  Reward workers    users' rewards and environment steps in worker processes, with a time limit; their failures
-  Distributed       torchrun's world, a failing rank taking the others down, stop signals
-  vLLM              the refit's start-up check, vLLM's log lines
+plumbing.py: what every run of grpo.py needs and a reader of the algorithm skips, in sections: the config and the
+checks before any model loads, data files, checkpoints and exports, logs, reward workers and users' failures,
+torchrun's world and stop signals, vLLM's start-up refit check and log lines. grpo.py imports it; it never imports grpo
+(under `python grpo.py`, grpo is __main__: a second copy would have its own classes and globals).
 """
 
 from __future__ import annotations
@@ -58,12 +50,11 @@ def knob_rules(path: str) -> dict[str, str]:
     values, `or null`. Without one, a knob takes its default's type, a number must be > 0 (>= 0 where its default is
     0), a null default is a str."""
     rules, keys = {}, []
-    with open(path) as f:
-        for line in f:
-            if m := re.match(r"( *)(\w+):[^#]*(#\s*`([^`]+)`)?", line):
-                keys = keys[: len(m[1]) // 2] + [m[2]]
-                if m[4]:
-                    rules[".".join(keys)] = m[4]
+    for line in pathlib.Path(path).read_text().splitlines():
+        if m := re.match(r"( *)(\w+):[^#]*(#\s*`([^`]+)`)?", line):
+            keys = keys[: len(m[1]) // 2] + [m[2]]
+            if m[4]:
+                rules[".".join(keys)] = m[4]
     return rules
 
 
@@ -347,8 +338,7 @@ def read_file(path: str, key: str) -> list[dict]:
             raise ConfigError(f"{key}: reading {path} needs pyarrow: pip install pyarrow")
         read = pyarrow.parquet.read_table if path.endswith(".parquet") else pyarrow.csv.read_csv
         return read(path).to_pylist()
-    with open(path, encoding="utf-8-sig") as f:  # with or without the byte-order mark some editors write
-        text = f.read()
+    text = pathlib.Path(path).read_text(encoding="utf-8-sig")  # with or without the byte-order mark some editors write
     if path.endswith(".json") and text.lstrip().startswith("["):  # one array of objects, not JSON Lines
         with contextlib.suppress(json.JSONDecodeError):
             records = json.loads(text)
@@ -567,8 +557,7 @@ RESUME_KEYS = [
 
 def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
     """{step: path} of the checkpoints whose files are all there (a save writes training_info.json last)."""
-    names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
-    paths = {int(n[5:]): os.path.join(checkpoint_dir, n) for n in names if re.fullmatch(r"step_\d+", n)}
+    paths = {int(p.name[5:]): str(p) for p in pathlib.Path(checkpoint_dir).glob("step_*") if p.name[5:].isdigit()}
     done = ("training_info.json", "policy/.metadata")
     return {step: path for step, path in paths.items() if all(os.path.exists(f"{path}/{f}") for f in done)}
 
@@ -576,10 +565,9 @@ def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
 def find_resume_checkpoint(cfg: Config) -> Optional[str]:
     """The latest complete checkpoint if its config fits this run (else ConfigError); what a kill left removed."""
     ckpt = cfg.checkpointing
-    if dist.get_rank() == 0 and os.path.isdir(ckpt.checkpoint_dir):
-        for name in [n for n in os.listdir(ckpt.checkpoint_dir) if n.startswith("tmp_")]:
-            print(f"removing {name} (an interrupted save or removal)", flush=True)
-            shutil.rmtree(os.path.join(ckpt.checkpoint_dir, name))
+    for tmp in pathlib.Path(ckpt.checkpoint_dir).glob("tmp_*") if dist.get_rank() == 0 else []:
+        print(f"removing {tmp.name} (an interrupted save or removal)", flush=True)
+        shutil.rmtree(tmp)
     dist.barrier()
     steps = complete_checkpoints(ckpt.checkpoint_dir)
     if not ckpt.enabled or not steps:
@@ -684,8 +672,7 @@ def prune_checkpoints(ckpt: Config) -> None:
         return
     metric = {}
     for step, path in steps.items():
-        with open(os.path.join(path, "training_info.json")) as f:
-            value = json.load(f).get(ckpt.metric_name)
+        value = json.loads(pathlib.Path(path, "training_info.json").read_text()).get(ckpt.metric_name)
         metric[step] = -math.inf if value is None or math.isnan(value) else value if ckpt.higher_is_better else -value
     keep = set(sorted(steps, key=lambda s: (metric[s], s), reverse=True)[: ckpt.keep_top_k]) | {max(steps)}
     for step in set(steps) - keep:  # renamed first: a kill halfway through leaves a tmp_ directory, removed at start
@@ -719,8 +706,7 @@ def load_checkpoint(path: str, policy, optimizer, cfg: Config, optimizer_step: C
     dcp_state.set_state_dict(
         policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
     )
-    with open(os.path.join(path, "training_info.json")) as f:
-        return {**json.load(f), "carried": load_carried(path, cfg)}
+    return {**json.loads(pathlib.Path(path, "training_info.json").read_text()), "carried": load_carried(path, cfg)}
 
 
 def save_carried(groups: list[dict], path: str) -> None:
@@ -830,8 +816,8 @@ class Logger:
 
 def record(s, **extra) -> dict:
     """A sample as train_data_step{N}.jsonl and val_data_step{N}.jsonl show it: its fields but the per-token ones."""
-    per_token = ("prompt_ids", "completion_ids", "generation_logprobs", "trained", "versions")
-    return {k: v for k, v in vars(s).items() if k not in per_token} | {"env_tokens": s.trained.count(0), **extra}
+    per_token = ("prompt_ids", "completion_ids", "generation_logprobs", "assistant", "versions")
+    return {k: v for k, v in vars(s).items() if k not in per_token} | {"env_tokens": s.assistant.count(0), **extra}
 
 
 def log_step(logger: Logger, step: int, cfg: Config, batch, metrics: dict) -> list[dict]:
@@ -1253,9 +1239,7 @@ def check_refit(engine, model, prompt_ids: list[list[int]], buckets) -> None:
             diffs += [abs(x - y) for x, y in zip(lp_a[:same], lp_b[:same])]
         return max(diffs)
 
-    diffs = torch.tensor([max_diff(first, second), max_diff(first, after)], device=next(model.parameters()).device)
-    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
-    noise, changed = diffs.tolist()
+    noise, changed = all_reduce([max_diff(first, second), max_diff(first, after)], dist.ReduceOp.MAX)
     if changed > max(4 * noise, 1e-3):
         print0(
             f"warning: vLLM changes {type(model).__name__.removeprefix('FSDP')}'s weights as it reloads them: "

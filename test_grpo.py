@@ -1819,7 +1819,7 @@ def _grad_norm_and_loss(cfg, path, batch):
     model = grpo.load_policy(path, cfg, trainable=True)
     optimizer = grpo.make_optimizer(model, cfg)
     batch.prev_logprobs = logprobs(model, batch, cfg) - 0.05  # off-policy: clipping is exercised
-    metrics = grpo.train_step(model, optimizer, batch, cfg, step=1)
+    metrics = grpo.train_step(as_run(None, model, optimizer, cfg), batch, step=1)
     return metrics["train/grad_norm"], metrics["train/loss"]
 
 
@@ -1844,8 +1844,10 @@ def debug_rollout(engine, rows, tokenizer, cfg, seeds) -> grpo.RolloutBatch:
 
 
 def as_run(engine, policy, optimizer, cfg) -> types.SimpleNamespace:
-    """What refit_policy_generation reads of a run."""
-    return types.SimpleNamespace(engine=engine, policy=policy, reference=None, optimizer=optimizer, cfg=cfg)
+    """What refit_policy_generation and train_step read of a run."""
+    return types.SimpleNamespace(
+        engine=engine, policy=policy, reference=None, optimizer=optimizer, cfg=cfg, tokenizer=None
+    )
 
 
 def logprobs(model, batch, cfg) -> torch.Tensor:
@@ -1908,7 +1910,7 @@ def trained_twice(path: str, cfg, resumed: bool) -> tuple[list, list, dict]:
 
     def trainer():
         policy = grpo.load_policy(path, cfg, trainable=True)
-        return types.SimpleNamespace(policy=policy, reference=None, optimizer=grpo.make_optimizer(policy, cfg))
+        return as_run(None, policy, grpo.make_optimizer(policy, cfg), cfg)
 
     run, batch = trainer(), small_batch()
     for name, value in vars(batch).items():
@@ -1933,7 +1935,7 @@ def trained_twice(path: str, cfg, resumed: bool) -> tuple[list, list, dict]:
             memory["back"] = allocated()
             assert [id(p) for p in run.policy.parameters()] == ids  # the optimizer's keys
         batch.prev_logprobs = None  # pi_old: the update's own forward
-        losses.append(grpo.train_step(run.policy, run.optimizer, batch, cfg, step)["train/loss"])
+        losses.append(grpo.train_step(run, batch, step)["train/loss"])
         memory[f"trained {step}"] = allocated()
     return losses, [p.full_tensor() for p in run.policy.parameters()], memory
 
@@ -2180,7 +2182,7 @@ def uneven_worker():
         optimizer = grpo.make_optimizer(model, cfg)
         batch.prev_logprobs = None
         lp = grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
-        metrics = grpo.train_step(model, optimizer, batch, cfg, step=1)
+        metrics = grpo.train_step(as_run(None, model, optimizer, cfg), batch, step=1)
         results[str(budget)] = [
             plans,
             lp.sum().item(),
@@ -2400,7 +2402,7 @@ def refit_worker():
     trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     shard = [p.to_local().clone() for p in trained]
     batch.prev_logprobs = lp
-    grpo.train_step(policy, optimizer, batch, cfg, step=1)
+    grpo.train_step(as_run(None, policy, optimizer, cfg), batch, step=1)
     changed = all(not torch.equal(a, p.to_local()) for a, p in zip(shard, trained))
     stale, _, _ = max_diff(2)
     tracked = LiveBytes(grpo.weight_buckets(policy, cfg))
@@ -2535,7 +2537,7 @@ def precision_worker():
         engine.finish_generation()  # as the loop does: the refit below writes every weight again
         batch.prev_logprobs = logprobs(policy, batch, cfg)  # the trainer's own, with the copy the engine holds
         errors.append((batch.prev_logprobs - batch.generation_logprobs).abs()[batch.token_mask > 0].mean().item())
-        grpo.train_step(policy, optimizer, batch, cfg, step=step)
+        grpo.train_step(as_run(None, policy, optimizer, cfg), batch, step=step)
         grpo.refit_policy_generation(as_run(engine, policy, optimizer, cfg), step)
     master = master_weight()
     moved = master - master_start
@@ -2607,7 +2609,7 @@ def multiturn_worker():
     batch = debug_rollout(engine, rows, tokenizer, cfg, sample_seeds(0, 1, 0, 64))
     engine.finish_generation()
     batch.prev_logprobs = logprobs(policy, batch, cfg)
-    grpo.train_step(policy, optimizer, batch, cfg, step=1)
+    grpo.train_step(as_run(None, policy, optimizer, cfg), batch, step=1)
     grpo.refit_policy_generation(as_run(engine, policy, optimizer, cfg), 1)
     calls = []  # per engine call (one per turn): the (prompt, output) token pairs it saw
     step_until = engine.step_until
@@ -2625,11 +2627,11 @@ def multiturn_worker():
     for i, s in enumerate(batch.samples):
         full, p = s.prompt_ids + s.completion_ids, len(s.prompt_ids)
         mask_ok &= (
-            batch.token_mask[i, p : p + len(s.trained)].tolist() == s.trained
-            and batch.token_mask[i].sum() == sum(s.trained)
-            and all(lp == 0 for lp, t in zip(s.generation_logprobs, s.trained) if not t)
+            batch.token_mask[i, p : p + len(s.assistant)].tolist() == s.assistant
+            and batch.token_mask[i].sum() == sum(s.assistant)
+            and all(lp == 0 for lp, t in zip(s.generation_logprobs, s.assistant) if not t)
         )
-        runs = [list(g) for _, g in itertools.groupby(range(len(s.trained)), key=lambda j: s.trained[j])]
+        runs = [list(g) for _, g in itertools.groupby(range(len(s.assistant)), key=lambda j: s.assistant[j])]
         for turn, run_ in enumerate(runs):
             start, end = p + run_[0], p + run_[-1] + 1
             if turn % 2 == 0:  # the assistant's: what the engine returned for exactly the sequence before it
@@ -2649,7 +2651,7 @@ def multiturn_worker():
     cut = all(
         len(s.prompt_ids) + len(s.completion_ids) == 256
         and s.end == "truncated"
-        and s.trained[-1] == 0
+        and s.assistant[-1] == 0
         and len(s.turns) == 2
         for s in long.samples
     )
@@ -2808,7 +2810,7 @@ def gpu_worker():
         batch.prev_logprobs = logprobs(policy, batch, cfg)
         error = (batch.prev_logprobs - batch.generation_logprobs).abs()[batch.token_mask > 0]
         errors.append(plumbing.all_reduce([error.mean().item()], torch.distributed.ReduceOp.MAX)[0])
-        grpo.train_step(policy, optimizer, batch, cfg, step=step)
+        grpo.train_step(as_run(None, policy, optimizer, cfg), batch, step=step)
         measure(f"{step} trained")
     plumbing.print0(json.dumps({"mean_abs_logprob_error_per_step": errors, "used_gib_rank0": used_gib}))
     torch.distributed.barrier()
@@ -3590,7 +3592,7 @@ def test_grpo_learns_what_a_reward_model_prefers(reward_model, tmp_path):
     assert last > 3 * first and last > 0.2
     metrics = read_metrics(tmp_path)
     assert "train/rewards/a-share-rm/mean" in metrics[-1] and "validation/accuracy" in metrics[-1]
-    assert metrics[-1]["train/a-share-rm/truncated"] == 0.0
+    assert metrics[-1]["train/a-share-rm/cut"] == 0.0
 
 
 @pytest.mark.slow

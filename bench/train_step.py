@@ -8,6 +8,7 @@ import os, sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import time
+import types
 
 import torch
 from transformers import AutoTokenizer
@@ -60,7 +61,8 @@ for _ in range(repeats):
         cfg = plumbing.load_config(common + options)
         batch = grpo.make_batch(samples, cfg, tokenizer.pad_token_id)
         start = time.perf_counter()
-        grpo.train_step(model, optimizer, batch, cfg, step=1)
+        run = types.SimpleNamespace(policy=model, reference=None, optimizer=optimizer, cfg=cfg, tokenizer=tokenizer)
+        grpo.train_step(run, batch, step=1)
         times[name].append(time.perf_counter() - start)
 for name, seconds in times.items():
     print(f"{name}: " + ", ".join(f"{s:.1f}" for s in seconds) + " s")
