@@ -3,21 +3,22 @@ grpo.py: GRPO for LLMs in one file. FSDP2 trains, an in-process vLLM engine gene
 
 NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses) without Ray. `train`, near the end
 of the file, runs one step as a named call per phase; the phases' code comes first. On a GPU, the engine and the
-trainer take turns on the device:
-  1. refit: the trainer's state goes to host memory, the engine wakes, and the policy's weights stream into it.
-     Every step refits, the first one too.
-  2. generate: the engine completes num_generations_per_prompt samples (a group) of each of num_prompts_per_step
-     prompts, with the trainer in host memory. Each sample has its own seed (draw_prompts). The reward functions
-     score each completion, r_i = reward_fn(prompt, completion, answer), or an environment plays its turns.
-  3. the engine sleeps and the trainer comes back to the device.
-  4. advantages, from the whole step's shaped rewards, on each generated token of sample i:
-         A_i = (r_i - mean of the group's other rewards) / their std     (by default: leave-one-out, normalized)
-  5. pi_ref's logprobs of the sampled tokens, where something reads them (the KL term).
-  6. update on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t), pi_old being the
-     policy before the step's updates (train_step says how it is computed):
+trainer take turns on the device (policy.offload_during_generation=false keeps the trainer there):
+  1. refit (refit_policy_generation): AdamW's state and the reference go to host memory, the engine's weights wake,
+     the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. Step 1 refits too. A
+     step after a validation finds the engine awake with the same weights, and nothing streams.
+  2. generate (rollout): the engine completes num_generations_per_prompt samples (a group) of each of
+     num_prompts_per_step prompts, in generate. draw_prompts makes each sample's seed. score rewards each
+     completion, r_i = reward_fn(prompt, completion, answer), a learned RewardModel too; an environment plays turns.
+  3. the engine sleeps, and the trainer comes back to the device (finish_generation).
+  4. advantages (make_batch), from the whole step's shaped rewards, on each generated token of sample i:
+         A_i = (r_i - mean of the group's other rewards) / the std of those rewards    (by default)
+  5. pi_ref's logprobs of the sampled tokens, where something reads them (reference_logprobs).
+  6. update (train_step) on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t), where
+     pi_old is the policy before the step's updates (train_step computes it):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
-  7. validate every val_period steps (it refits and generates, and the engine stays awake for the next step), log
-     the step, and save a checkpoint every save_period steps.
+  7. validate every val_period steps (it refits and generates, and the engine stays awake), log the step, and save
+     a checkpoint every save_period steps.
 README.md has the commands. plumbing.py has what every run needs and a reader of the algorithm skips: the config
 and its checks, the data files and the prompt-length filter (tokenize_prompts), checkpoints, the logs and their
 metrics (log_step: train/truncation_rate), reward workers, failures. docs/ has the variants, rewards, environments,
@@ -34,7 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-if "VLLM_LOGGING_LEVEL" not in os.environ:  # a quiet start: torch's C++ notes (vLLM's NUMA binding) when asked for
+if "VLLM_LOGGING_LEVEL" not in os.environ:  # torch's C++ notes (vLLM's NUMA binding) only when logs are asked for
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import numpy as np
 import torch
@@ -53,8 +54,7 @@ from plumbing import all_reduce, device, gather_all, share
 
 @dataclass
 class Sample:
-    """One prompt's episode: the assistant's turns and the environment's observations between them (not its dataset
-    row: score and play_episodes get the rows beside the samples)."""
+    """One prompt's episode: the assistant's turns and the environment's observations between them."""
 
     prompt: str  # its last user message: what a (prompt, completion, answer) reward gets
     prompt_ids: list[int]
@@ -68,7 +68,7 @@ class Sample:
     end: Optional[str] = None  # "done" (said the environment), "truncated" (out of tokens) or "max_turns"
     metrics: dict = field(default_factory=dict)  # TRL-style functions' log_metric: {name: value} of their calls
     extra: dict = field(default_factory=dict)  # and their log_extra: {column: this sample's value}
-    versions: list[int] = field(default_factory=list)  # first turn: the updates made before each token was generated
+    versions: list[int] = field(default_factory=list)  # first turn: the steps trained before each token was generated
     errors: dict = field(default_factory=dict)  # {reward function or environment: why it failed}, scored 0
 
     def extend(self, ids: list[int], logprobs: list[float], assistant: int) -> None:
@@ -136,11 +136,10 @@ def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
 
 
 def draw_prompts(run: Run, step: int, first: int, count: int) -> tuple[list[int], list[int]]:
-    """This rank's `count` next prompts of the data order, and their samples' seeds: the one place training's sampling
-    is seeded (validate seeds its samples alike, from grpo.seed + 1). Sample k of prompt j gets the sample seed
-    seed_of(grpo.seed, step, j n + k), where j counts the step's prompts over all ranks from `first`, the number drawn
-    before. Each engine request gets seed_of(sample seed, t) for turn t (generate), or seed_of(sample seed, its tokens
-    so far) when a partial rollout goes on."""
+    """This rank's `count` next prompts of the data order, and their samples' seeds. Sample k of prompt j gets the
+    sample seed seed_of(grpo.seed, step, j n + k), where j counts the step's prompts over all ranks from `first`, the
+    number drawn before; validate seeds its samples alike from grpo.seed + 1. From the sample seed, generate derives
+    each turn's request seed, seed_of(sample seed, t), and a partial rollout seed_of(sample seed, its tokens so far)."""
     g, n, rank = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, dist.get_rank()
     counts = gather_all([count])  # each rank's (with partial rollouts they differ)
     rows = plumbing.prompt_indices(run.info["consumed_samples"], sum(counts), len(run.train_rows), run.cfg)
@@ -608,7 +607,7 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
 
 
 def refit_policy_generation(run: Run, version: int) -> None:
-    """NeMo-RL's refit, before each generation. The policy's weights after `version` updates go into the engine, and the
+    """NeMo-RL's refit, before each generation. The policy's weights after `version` steps go into the engine, and the
     trainer leaves the device (policy.offload_during_generation): AdamW's state and the reference before the weights
     wake, the policy after they stream in. An awake engine holds them already: only a validation leaves it awake."""
     engine, offload = run.engine, run.cfg.policy.offload_during_generation
@@ -678,7 +677,7 @@ class VllmEngine:
             enforce_eager=vcfg.enforce_eager,
             enable_prefix_caching=True,
             enable_sleep_mode=self.sleeps,
-            enable_chunked_prefill=self.sleeps,  # CPU: a prompt split over steps rewinds its seeded generator: no
+            enable_chunked_prefill=self.sleeps,  # off on CPU, where a split prompt rewinds its seeded generator
             logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
             use_tqdm_on_load=False,
             **self.gen.vllm_kwargs,
@@ -1175,7 +1174,7 @@ def train(cfg: plumbing.Config) -> None:
         (stop,) = all_reduce([plumbing.STOP.is_set()])  # a signal to one rank or to all, in any phase of the step
         if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop):
             start, export = time.perf_counter(), (last and not stop) or ckpt.export_hf_every_save
-            move_trainer(run, "device", "policy")  # a validation leaves it in host memory; the export gathers it
+            move_trainer(run, "device", "policy")  # a validation leaves it in host memory, AdamW's state too (saved so)
             buckets = weight_buckets(run.policy, cfg) if export else None  # the HF export's weights
             path = plumbing.save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer, buckets)
             plumbing.print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
