@@ -12,8 +12,8 @@ trainer take turns on the device (policy.offload_during_generation=false keeps t
      completion, r_i = reward_fn(prompt, completion, answer), a learned RewardModel too; an environment plays turns.
   3. the engine sleeps, and the trainer comes back to the device (finish_generation).
   4. advantages (make_batch), from the whole step's shaped rewards, on each generated token of sample i:
-         A_i = (r_i - mean of the group's other rewards) / the std of those rewards    (by default)
-  5. pi_ref's logprobs of the sampled tokens, where something reads them (reference_logprobs).
+         A_i = (r_i - mean of the group's other rewards) / the std of those rewards  (both by default)
+  5. pi_ref's logprobs of the sampled tokens, only while a reference_* knob reads them (reference_logprobs).
   6. update (train_step) on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t), where
      pi_old is the policy before the step's updates (train_step computes it):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
@@ -277,10 +277,9 @@ def clipped_pg_loss(logprobs, entropy, mb: RolloutBatch, loss_fn, normalizer) ->
 
 def importance_weights(mb: RolloutBatch, loss_fn) -> tuple[torch.Tensor, dict]:
     """The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token
-    (GSPO: per sequence, the product over its tokens) -> [B, T] (or [B, 1]) and its metrics. Truncated IS bounds it to
-    [lo, hi] (NeMo-RL's truncated_importance_sampling_ratio knobs): tis clamps, icepop drops the tokens outside,
-    seq-mask-tis the sequences whose geometric mean is outside
-    (others unclamped)."""
+    (GSPO: per sequence, the product over its tokens) -> [B, T] (or [B, 1]) and its metrics. NeMo-RL's
+    truncated_importance_sampling_ratio knobs bound it to [lo, hi]: tis clamps it, icepop drops the tokens outside,
+    seq-mask-tis the sequences whose geometric mean is outside (leaving the others unclamped)."""
     mask, log_w = mb.loss_mask, mb.prev_logprobs - mb.generation_logprobs  # [B, T]
     if loss_fn.sequence_level_importance_ratios:
         log_w = (log_w * mask).sum(1, keepdim=True)  # [B, 1]
@@ -1053,8 +1052,8 @@ def rewards(functions: list[Callable], weights: list[float]) -> list[Reward]:
 class RewardModel:
     """A learned reward (RLHF): a sequence classifier with one output, named in env.reward_fn by its directory or hub
     name. Its raw output is the reward (no sigmoid). It is frozen and sharded with FSDP2 in the trainer's processes,
-    in the policy's precision. It scores in rollout, while vLLM is awake, and stays on the device all run: the offload
-    never moves it."""
+    in the policy's precision. It scores in rollout and validate, while vLLM is awake, and stays on the device all
+    run: the offload never moves it."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         self.path, self.__name__, self.cfg, self.model = path, os.path.basename(path.rstrip("/")), cfg, None
