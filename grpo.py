@@ -1195,7 +1195,7 @@ def setup(cfg: plumbing.Config) -> Run:
     path, tokenizer, train_rows, val_rows, resume_from, summary = plumbing.exit_on_config_error(plumbing.preflight, cfg)
     make_env, reward_fns = plumbing.exit_on_config_error(get_scoring, cfg)
     runner = plumbing.Runner(cfg.env.reward_timeout_s, [r.fn for r in reward_fns] + [make_env])
-    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, plumbing.Logger(cfg))
+    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, plumbing.Logger(cfg, resume_from))
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
     torch.manual_seed(cfg.grpo.seed)  # LoRA's initial adapters (on rank 0, then broadcast)

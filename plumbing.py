@@ -801,13 +801,23 @@ def timed(times: dict, name: str):
 class Logger:
     """metrics.jsonl always; wandb and TensorBoard when enabled (imported only then). Only rank 0 writes."""
 
-    def __init__(self, cfg: Config):  # setup made log_dir
+    def __init__(self, cfg: Config, resume_from: Optional[str]):  # setup made log_dir
         log, self.dir, self.wandb, self.tb = cfg.logger, cfg.logger.log_dir, None, None
         self.enabled = dist.get_rank() == 0
+        last = read_yaml(os.path.join(resume_from, "training_info.json"))["step"] if resume_from else -1
+        path = os.path.join(self.dir, "metrics.jsonl")
+        if os.path.isfile(path):  # each step once, in order: a resume drops what was logged after its checkpoint
+            logged = [json.loads(line) for line in open(path) if line.endswith("\n")]  # not a line a kill cut short
+            self.write_samples("metrics.jsonl", [m for m in logged if m["step"] <= last])
         if self.enabled and log.wandb_enabled:
             import wandb
 
-            self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_name, config=cfg, dir=self.dir)
+            id_file = pathlib.Path(self.dir, "wandb_id")  # a resumed run goes on as the same wandb run
+            run_id = id_file.read_text() if resume_from and id_file.exists() else None
+            self.wandb = wandb.init(
+                project=log.wandb_project, name=log.wandb_name, config=cfg, dir=self.dir, id=run_id, resume="allow"
+            )
+            id_file.write_text(self.wandb.id)
         if self.enabled and log.tensorboard_enabled:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -1772,6 +1772,39 @@ def test_keep_top_k_and_latest(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step_5", "step_6"]  # 0.3 and 0.2 beat 0.5
 
 
+def checkpoint_of_step(path: pathlib.Path, step: int) -> str:
+    """A directory with what a checkpoint's training_info.json says of its step."""
+    path.mkdir()
+    (path / "training_info.json").write_text(json.dumps({"step": step}))
+    return str(path)
+
+
+def test_a_resumed_run_logs_each_step_once(dist_world, tmp_path):
+    """A resume drops metrics.jsonl's lines after its checkpoint's step (logged before a failure; the last one cut
+    short by a kill) before it logs; a fresh start in the same log_dir drops them all."""
+    lines = [json.dumps({"step": step, "train/reward": step / 10}) + "\n" for step in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 6, "train/rew')
+    cfg = plumbing.load_config(TINY + [f"logger.log_dir={tmp_path}"])
+    plumbing.Logger(cfg, checkpoint_of_step(tmp_path / "step_3", 3)).log(4, {"train/reward": 0.0})
+    assert [(m["step"], m["train/reward"]) for m in read_metrics(tmp_path)] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.0)]
+    plumbing.Logger(cfg, None)
+    assert read_metrics(tmp_path) == []
+
+
+def test_a_resumed_run_goes_on_as_the_same_wandb_run(dist_world, tmp_path, monkeypatch):
+    """wandb (an optional extra), offline: a resume continues the wandb run of the same log_dir, a fresh start makes
+    a new one."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = plumbing.load_config(TINY + ["logger.wandb_enabled=true", f"logger.log_dir={tmp_path}"])
+    ids = []
+    for resume_from in (None, checkpoint_of_step(tmp_path / "step_1", 1), None):
+        logger = plumbing.Logger(cfg, resume_from)
+        ids.append(logger.wandb.id)
+        logger.wandb.finish()
+    assert ids[0] == ids[1] != ids[2]
+
+
 def test_a_half_removed_checkpoint_is_not_counted(dist_world, tmp_path):
     """A kill during pruning (before it was atomic) left step_1 with only its config: a start resumes from the
     latest complete one, never counting step_1 when it prunes; the leftovers of an interrupted removal go."""
