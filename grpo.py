@@ -1213,7 +1213,7 @@ def setup(cfg: plumbing.Config) -> Run:
     run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
         run.info = plumbing.load_checkpoint(resume_from, run.policy, run.optimizer, cfg, optimizer_step)
-        plumbing.print0(f"resumed from {resume_from} (step {run.info['step']})")
+        plumbing.print0(f"resumed from {resume_from} (step {run.info['step']}, attempt {plumbing.ATTEMPT})")
     plumbing.print0(summary)
     run.engine = engine or HFEngine(run.policy, tokenizer, cfg)
     for signum in (signal.SIGTERM, signal.SIGINT):  # from here on a signal stops the run at the end of a step

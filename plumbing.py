@@ -9,7 +9,7 @@ imports grpo (under `python grpo.py`, grpo is __main__: a second copy would have
   Checkpoints       DCP shards, training_info.json, the carried groups of partial rollouts, HF and PEFT exports
   Logs              metrics.jsonl, wandb, TensorBoard, the printed lines
   Reward workers    users' rewards and environment steps in worker processes, with a time limit; their failures
-  Distributed       torchrun's world, a failing rank taking the others down, stop signals
+  Distributed       torchrun's world (a store per attempt), a failing rank taking the others down, stop signals
   vLLM              the refit's start-up check, vLLM's log lines
 """
 
@@ -1176,12 +1176,31 @@ def setup_distributed() -> None:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = attempt_store() if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else {}  # else env://
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])), **world)
     else:  # the ranks of a host share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **world)
+
+
+def attempt_store() -> dict:
+    """init_process_group's store, rank and world size under torchrun: a store of this attempt's own that rank 0 serves
+    and posts in torchrun's, which keeps a dead attempt's addresses for a new group to read (pytorch issue 135712)."""
+    global ATTEMPT
+    host, store, timeout = os.environ["MASTER_ADDR"], None, dist.constants.default_pg_timeout  # env://'s timeout
+    launcher = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if os.environ["RANK"] == "0":
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        launcher.set("grpo_attempt", f"{store.port} {launcher.add('grpo_attempts', 1) - 1}")
+    while store is None:
+        port = int(launcher.get("grpo_attempt").split()[0])
+        with contextlib.suppress(OSError):  # one that refuses is the dead attempt's: torchrun stops all workers first
+            socket.create_connection((host, port), timeout=2).close()
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    ATTEMPT = int(launcher.get("grpo_attempt").split()[1])  # posted with the port
+    return dict(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def check_gpus() -> None:
@@ -1203,7 +1222,7 @@ def check_gpus() -> None:
 def stop_all_ranks_on_failure():
     """A failing rank posts its rank in the rendezvous store; a watcher on every rank sees it and exits."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    key, done = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", threading.Event()
+    key, done = f"grpo_failed_rank_{ATTEMPT}", threading.Event()
 
     def exit_if_another_failed():
         if store.check([key]):
@@ -1232,6 +1251,7 @@ def stop_all_ranks_on_failure():
 
 
 STOP = threading.Event()  # set by SIGTERM/SIGINT once the loop runs
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # as rank 0 numbers it (a node counts its own)
 
 
 def request_stop(signum, frame) -> None:

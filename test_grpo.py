@@ -18,6 +18,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -3139,6 +3140,61 @@ def test_kill_during_save_then_sigterm_then_resume(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {ckpt_dir / f'step_{stopped}'}" in result.stdout
     assert read_metrics(tmp_path)[-1]["step"] == stopped + 1
+
+
+def killing_reward(prompt, completion, answer):
+    """debug_reward; rank 1 kills its own process (SIGKILL, once) at its first call after step 4 is logged: the
+    step-3 checkpoint is complete, and step 4's line is in metrics.jsonl (a resume must drop it)."""
+    log_dir = pathlib.Path(os.environ["KILL_LOG_DIR"])
+    if os.environ["RANK"] == "1" and not (log_dir / "killed").exists() and (log_dir / "metrics.jsonl").exists():
+        if 4 in [m["step"] for m in read_metrics(log_dir)]:
+            (log_dir / "killed").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return grpo.debug_reward(prompt, completion, answer)
+
+
+def restarted(results: list[subprocess.CompletedProcess], log_dir, straight) -> None:
+    """Rank 1 was killed in step 5 and torchrun restarted the job: it resumed from step 3 in attempt 1, its launchers
+    exit 0, metrics.jsonl holds each step once, and every step's reward and loss equal the undisturbed run's."""
+    out = "".join(r.stdout for r in results)
+    assert all(r.returncode == 0 for r in results), "".join(r.stderr[-3000:] for r in results)
+    assert (log_dir / "killed").exists() and out.count("resumed from") == 1
+    assert f"resumed from {log_dir / 'checkpoints' / 'step_3'} (step 3, attempt 1)" in out
+    metrics = read_metrics(log_dir)
+    diffs = max_diffs(read_metrics(straight), metrics)  # steps 1-6, each once, in order
+    print(f"killed in step 5, restarted, resumed after step 3 vs undisturbed, max |diff| over steps 1-6: {diffs}")
+    print("rewards of steps 4-6:", [m["train/reward"] for m in metrics[3:]])
+    assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
+
+
+KILLED = TINY + ["env.reward_fn=test_grpo:killing_reward", "grpo.max_num_steps=6", "checkpointing.save_period=3"]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_is_restarted_by_torchrun_and_resumes_exactly(two_rank_runs, tmp_path):
+    """README's command with a restart budget: rank 1 killed after step 4; torchrun restarts both processes, which
+    meet in a new store (torchrun's still holds the dead attempt's addresses) and resume from step 3."""
+    command = ["-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1", "grpo.py"]
+    args = KILLED + ["grpo.val_greedy=true", f"logger.log_dir={tmp_path}"]
+    result = run_together({"job": command + args}, {**clean_env(), "KILL_LOG_DIR": str(tmp_path)})["job"]
+    restarted([result], tmp_path, two_rank_runs[0])
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_survive_a_kill_and_equal_one_node(two_rank_runs, tmp_path):
+    """README's multi-node form: two launchers (one process each, c10d rendezvous) train as one launcher with two
+    processes. Rank 1 killed after step 4: the nodes' restart counts may differ (each agent counts its own), yet the
+    ranks agree on attempt 1 and resume."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1"]
+    command += ["--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", "grpo.py"]
+    args = KILLED + ["grpo.val_greedy=true", f"logger.log_dir={tmp_path}"]
+    env = {**clean_env(), "KILL_LOG_DIR": str(tmp_path)}
+    restarted(
+        list(run_together({"node0": command + args, "node1": command + args}, env).values()), tmp_path, two_rank_runs[0]
+    )
 
 
 @pytest.mark.slow
