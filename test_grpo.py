@@ -887,7 +887,7 @@ def test_a_nemo_rl_config_converts_to_a_recipe(tmp_path):
     path.write_text(NEMO_RL_CONFIG)
     start = time.perf_counter()
     result = run(["grpo.py", "--config", str(path)])
-    assert result.returncode == 2 and time.perf_counter() - start < 10
+    assert result.returncode == 2 and time.perf_counter() - start < 30  # imports: 10-12 s on a busy 2-core machine
     assert result.stderr.strip().splitlines() == [
         f"config error: {path} is a NeMo-RL config: convert it first, python tools/nemo_rl_config.py {path}"
     ]
