@@ -212,11 +212,10 @@ def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.
 
 
 def compute_advantages(rewards: torch.Tensor, grpo: plumbing.Config) -> torch.Tensor:
-    """NeMo-RL's advantages, group by group (num_generations_per_prompt samples of one prompt): a sample's reward
-    minus its baseline, the mean reward of the group's other samples (use_leave_one_out_baseline) or of all of them,
-    divided (normalize_rewards) by the std of those same rewards (unbiased) where it is > 0. A NaN reward (nothing
-    scored the sample: TRL's None) is in no baseline and gets 0, as does a sample with no others. rewards: [N], the
-    whole step's (every rank's, in data order: a group's samples consecutive); grpo: cfg.grpo."""
+    """NeMo-RL's advantages, group by group: a sample's reward minus its baseline, the mean reward of the group's other
+    samples (use_leave_one_out_baseline) or of all of them, divided (normalize_rewards) by the unbiased std of those
+    same rewards where it is > 0. A NaN reward (TRL's None) is in no baseline and gets 0, as does a sample with no
+    others. rewards: [N], the whole step's, a group's samples consecutive; grpo: cfg.grpo."""
     n, advantages = grpo.num_generations_per_prompt, []
     for start in range(0, len(rewards), n):
         group = rewards[start : start + n].tolist()
@@ -237,9 +236,8 @@ def compute_advantages(rewards: torch.Tensor, grpo: plumbing.Config) -> torch.Te
 def clipped_pg_loss(logprobs, entropy, mb: RolloutBatch, loss_fn, normalizer) -> tuple[torch.Tensor, dict]:
     """Clipped policy gradient (+ dual clip, IS correction) + k3 KL to the reference (if mb has reference_logprobs),
     summed over the trained tokens (mb.loss_mask) and divided by `normalizer`, the trained tokens (or sequences) of the
-    whole global batch. logprobs, entropy: the policy's on micro-batch mb (RolloutBatch.micro), [B, T] like each of
-    its per-token tensors. Returns the loss and its metrics as {name: (sum, count)}, tensors: read once a step (a read
-    waits for the GPU). loss_fn: cfg.loss_fn."""
+    whole global batch. logprobs, entropy: the policy's on micro-batch mb, [B, T] like each of its per-token tensors.
+    Returns the loss and its metrics as {name: (sum, count)}, tensors read once a step. loss_fn: cfg.loss_fn."""
     A, mask = mb.advantages, mb.loss_mask  # [B, T]
     assert A.shape == logprobs.shape == mask.shape, f"advantages {[*A.shape]}, logprobs {[*logprobs.shape]}: [B, T]"
     tokens = mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
@@ -498,8 +496,7 @@ def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -
 
 
 def validate(run: Run, step: int) -> dict:
-    """Accuracy (the task's reward: env.reward_fn's first function, unweighted; an environment's: the episode's),
-    pass@k (best of k per prompt), length and each reward function's mean over all ranks' validation samples."""
+    """Accuracy (env.reward_fn's first function, unweighted), pass@k, length and each reward's mean, over all ranks."""
     g, k = run.cfg.grpo, run.cfg.grpo.val_num_generations_per_prompt
     mine = share(len(run.val_rows) // dist.get_world_size() * dist.get_world_size())  # equal shares
     seeds = [seed_of(g.seed + 1, step, i) for i in range(mine.start * k, mine.stop * k)]
@@ -552,10 +549,9 @@ def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[lis
 
 
 def partial_rollout(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
-    """generate_groups with batch_multiplier x this rank's share in flight: the groups carried over (each sample goes on
-    from its tokens, with a seed of its own per resume: on CPU the same one would replay its noise), then new prompts.
-    The engine steps until each of its ranks can take its share of whole groups, oldest first, without leaving one
-    past its age limit (pick_groups); the rest stay in flight, in run.info["carried"] (and checkpoints)."""
+    """generate_groups with batch_multiplier x this rank's share in flight: the groups carried over, each sample going
+    on from its tokens, then new prompts. The engine steps until each of its ranks can take its share of whole groups,
+    oldest first, without leaving one past its age limit (pick_groups); the rest stay in run.info["carried"]."""
     g, p, version, rank, groups = run.cfg.grpo, run.cfg.policy, step - 1, dist.get_rank(), run.info["carried"]
     n, quota = g.num_generations_per_prompt, g.num_prompts_per_step // dist.get_world_size()
     rows, seeds = draw_prompts(run, step, first, max(0, math.ceil(g.batch_multiplier * quota) - len(groups)))
@@ -684,10 +680,9 @@ class VllmEngine:
         self.repack_tied_head = tied and not self.sleeps
 
     def step_until(self, requests: dict, enough: Optional[Callable] = None, state=None, greedy=False) -> dict:
-        """Add this rank's requests {id: (prompt_ids, seed, stop, max_tokens)} and those of the other ranks of its TP
-        group (they drive one engine), step it (vLLM's LLM._run_engine) until enough(the ids finished, each rank's
-        state) or all are done, abort the rest -> this rank's {id: (token ids, logprobs, finish reason or None)}.
-        A rule that reads only engine outputs and the states is the same on every rank: they make the same calls."""
+        """Add this rank's requests {id: (prompt_ids, seed, stop, max_tokens)} and its TP group's others' (they drive
+        one engine), step it until enough(the ids finished, each rank's state) or all are done, abort the rest -> this
+        rank's {id: (token ids, logprobs, finish reason or None)}. `enough` reads only what every rank sees alike."""
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
@@ -915,9 +910,8 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
 
 def weight_buckets(model, cfg: plumbing.Config, generator: Optional[torch.Generator] = None):
     """The policy's weights for the refit and the export, as a checkpoint holds them, in [(name, tensor)] buckets of
-    ~policy.refit_buffer_size_gb split between layers: the parameters in policy.precision (a LoRA merge W + B A x scale
-    rounded stochastically with a generator, else it could vanish) and the persistent buffers as they are (a MoE
-    router's fp32 correction bias, a parameter in vLLM: if not sent, a level-2 sleep would leave it garbage)."""
+    ~policy.refit_buffer_size_gb split between layers: the parameters in policy.precision (a LoRA merge rounded
+    stochastically with a generator), the persistent buffers as they are (a MoE router's correction bias: docs/)."""
     dtype, bucket_bytes = getattr(torch, cfg.policy.precision), cfg.policy.refit_buffer_size_gb * 2**30
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
     adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
@@ -1017,8 +1011,7 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
 
 @dataclass
 class Reward:
-    """A reward function as score calls it. kind: "model" (a RewardModel), "trl" (it takes `completions`: TRL's
-    keyword lists), "verl" (it takes `solution_str`: verl's compute_score) or "text" (prompt, completion, answer)."""
+    """A reward as score calls it, by kind: "model", "trl" (takes `completions`), "verl" (`solution_str`) or "text"."""
 
     fn: Callable
     weight: float
@@ -1192,7 +1185,7 @@ def setup(cfg: plumbing.Config) -> Run:
     path, tokenizer, train_rows, val_rows, resume_from, summary = plumbing.exit_on_config_error(plumbing.preflight, cfg)
     make_env, reward_fns = plumbing.exit_on_config_error(get_scoring, cfg)
     runner = plumbing.Runner(cfg.env.reward_timeout_s, [r.fn for r in reward_fns] + [make_env])
-    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, plumbing.Logger(cfg))
+    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, plumbing.Logger(cfg, resume_from))
     # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
     torch.manual_seed(cfg.grpo.seed)  # LoRA's initial adapters (on rank 0, then broadcast)
@@ -1211,7 +1204,7 @@ def setup(cfg: plumbing.Config) -> Run:
     run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
         run.info = plumbing.load_checkpoint(resume_from, run.policy, run.optimizer, cfg, optimizer_step)
-        plumbing.print0(f"resumed from {resume_from} (step {run.info['step']})")
+        plumbing.print0(f"resumed from {resume_from} (step {run.info['step']}, attempt {plumbing.ATTEMPT})")
     plumbing.print0(summary)
     run.engine = engine or HFEngine(run.policy, tokenizer, cfg)
     for signum in (signal.SIGTERM, signal.SIGINT):  # from here on a signal stops the run at the end of a step
@@ -1220,8 +1213,7 @@ def setup(cfg: plumbing.Config) -> Run:
 
 
 def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict) -> None:
-    """Throughput per device, log, print; stop after grpo.max_consecutive_nonfinite steps in a row with non-finite
-    updates, or with a reward function (or environment) failing on every sample."""
+    """Throughput per device, the logs, and the stop on repeated failures (grpo.max_consecutive_nonfinite)."""
     world = dist.get_world_size()
     local = [batch.token_mask.sum().item(), sample_lengths(batch.token_mask).sum().item(), len(batch.rewards)]
     completions, tokens, n = all_reduce(local)  # tokens: prompt + completion, no padding

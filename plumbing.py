@@ -46,9 +46,7 @@ class Config(dict):
 
 def knob_rules(path: str) -> dict[str, str]:
     """{key: rule} from config.yaml, where a knob's comment opens with its rule in backticks when its default cannot
-    say it all: a type first (a null default's; `float >= 1`), a range (`> a`, `>= a`, `in [a, b)`), the allowed
-    values, `or null`. Without one, a knob takes its default's type, a number must be > 0 (>= 0 where its default is
-    0), a null default is a str."""
+    say it all (README's Config says the rules' grammar; check_knob applies them)."""
     rules, keys = {}, []
     for line in pathlib.Path(path).read_text().splitlines():
         if m := re.match(r"( *)(\w+):[^#]*(#\s*`([^`]+)`)?", line):
@@ -376,8 +374,7 @@ def is_chat(value: Any) -> bool:
 
 def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> list[dict]:
     """A task (debug, or module:function -> n_task rows), local data files (a path or a glob) or a HF dataset ->
-    [{"messages" (the chat), "prompt" (its last user message: a text prompt in data.prompt_template), "answer",
-    "columns"}]. A prompt field of chat messages is the chat as it is; a text one becomes a user message."""
+    [{"messages" (the chat as it is, or a text prompt in data.prompt_template), "prompt", "answer", "columns"}]."""
     key = "data.dataset_name" if name == data.dataset_name else "data.val_dataset_name"
     if is_task(name):
         records = (debug_task if name == "debug" else import_object(name, key))(n_task, seed)
@@ -787,13 +784,23 @@ def timed(times: dict, name: str):
 class Logger:
     """metrics.jsonl always; wandb and TensorBoard when enabled (imported only then). Only rank 0 writes."""
 
-    def __init__(self, cfg: Config):  # setup made log_dir
+    def __init__(self, cfg: Config, resume_from: Optional[str]):  # setup made log_dir
         log, self.dir, self.wandb, self.tb = cfg.logger, cfg.logger.log_dir, None, None
         self.enabled = dist.get_rank() == 0
+        last = read_yaml(os.path.join(resume_from, "training_info.json"))["step"] if resume_from else -1
+        path = os.path.join(self.dir, "metrics.jsonl")
+        if os.path.isfile(path):  # each step once, in order: a resume drops what was logged after its checkpoint
+            logged = [json.loads(line) for line in open(path) if line.endswith("\n")]  # not a line a kill cut short
+            self.write_samples("metrics.jsonl", [m for m in logged if m["step"] <= last])
         if self.enabled and log.wandb_enabled:
             import wandb
 
-            self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_name, config=cfg, dir=self.dir)
+            id_file = pathlib.Path(self.dir, "wandb_id")  # a resumed run goes on as the same wandb run
+            run_id = id_file.read_text() if resume_from and id_file.exists() else None
+            self.wandb = wandb.init(
+                project=log.wandb_project, name=log.wandb_name, config=cfg, dir=self.dir, id=run_id, resume="allow"
+            )
+            id_file.write_text(self.wandb.id)
         if self.enabled and log.tensorboard_enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -960,9 +967,8 @@ def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
 
 
 def serve(conn, run_pid: int) -> None:
-    """A worker: calls in, (result, why) out, until the run closes its end. It leads a process group (what its calls
-    start joins it), killed with the run however the run ends (Linux). It ignores SIGINT and SIGTERM by a handler that
-    does nothing: a program a call runs gets the default ones (SIG_IGN would be inherited)."""
+    """A worker: calls in, (result, why) out, until the run closes its end. It leads a process group, killed with the
+    run however it ends, and ignores SIGINT and SIGTERM by a no-op handler (SIG_IGN would pass to what a call runs)."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: None)
     os.setpgrp()
@@ -985,10 +991,8 @@ def serve(conn, run_pid: int) -> None:
 
 class Runner:
     """Runs rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)]: in this process, or, with a time
-    limit, in worker processes, one call each at a time; one past its limit or dead is replaced, with what its call
-    started. The workers ignore SIGINT and SIGTERM, which a stop reaches every process of a job with: they finish the
-    step's calls. A batch whose first 2 x workers calls all time out does not run the rest (a few limits, not one a
-    call)."""
+    limit, in worker processes (serve), one call each at a time; one past its limit or dead is replaced, with what its
+    call started. A batch whose first 2 x workers calls all time out does not run the rest."""
 
     def __init__(self, timeout_s: Optional[float], functions: list = ()):
         self.timeout_s, self.workers = timeout_s, []
@@ -1101,9 +1105,8 @@ def stop_run(message: str) -> None:
 
 
 def stop_on_repeated_failures(failing: dict, samples: list[dict], per_rank: int, skipped: int, limit: int) -> dict:
-    """What failed all step, as every rank sees it: a reward function or environment on every sample of a rank (a
-    missing dependency on one node), or the updates (`skipped`, by the global gradient norm). failing: {(what, rank):
-    steps in a row} before this step -> after it; `limit` steps in a row stop the run."""
+    """What failed all step on a rank (a reward or an environment on every sample), or the updates (`skipped`): failing
+    {(what, rank): steps in a row} before this step -> after it; `limit` steps in a row stop the run."""
     ranks = [samples[r : r + per_rank] for r in range(0, len(samples), per_rank)]
     failed = {(what, r) for r, mine in enumerate(ranks) for what in set.intersection(*(set(s["errors"]) for s in mine))}
     failed |= {("non-finite loss or gradients", 0)} if skipped else set()
@@ -1152,12 +1155,35 @@ def setup_distributed() -> None:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = attempt_store() if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else {}  # else env://
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])), **world)
     else:  # the ranks of a host share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **world)
+
+
+def attempt_store() -> dict:
+    """init_process_group's store, rank and world size under torchrun: a store of this attempt's own that rank 0 serves
+    and posts in torchrun's, which keeps a dead attempt's addresses for a new group to read (pytorch issue 135712)."""
+    global ATTEMPT
+    host, store, timeout = os.environ["MASTER_ADDR"], None, dist.constants.default_pg_timeout  # env://'s timeout
+    launcher = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if os.environ["RANK"] == "0":  # c10d ranks nodes by name: rank 0's host need not be torchrun's
+        family, kind, _, _, where = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as route:  # connecting a datagram socket sends nothing: it picks the route
+            route.connect(where)
+            address = route.getsockname()[0]  # this host, as the other nodes reach it
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        launcher.set("grpo_attempt", f"{address} {store.port} {launcher.add('grpo_attempts', 1) - 1}")
+    while store is None:
+        address, port, _ = launcher.get("grpo_attempt").decode().split()
+        with contextlib.suppress(OSError):  # one that refuses is the dead attempt's: torchrun stops all workers first
+            socket.create_connection((address, int(port)), timeout=2).close()
+            store = dist.TCPStore(address, int(port), is_master=False, timeout=timeout)
+    ATTEMPT = int(launcher.get("grpo_attempt").split()[-1])  # posted with the address
+    return dict(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def check_gpus() -> None:
@@ -1179,7 +1205,7 @@ def check_gpus() -> None:
 def stop_all_ranks_on_failure():
     """A failing rank posts its rank in the rendezvous store; a watcher on every rank sees it and exits."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    key, done = f"grpo_failed_rank_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", threading.Event()
+    key, done = f"grpo_failed_rank_{ATTEMPT}", threading.Event()
 
     def exit_if_another_failed():
         if store.check([key]):
@@ -1208,6 +1234,7 @@ def stop_all_ranks_on_failure():
 
 
 STOP = threading.Event()  # set by SIGTERM/SIGINT once the loop runs
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # as rank 0 numbers it (a node counts its own)
 
 
 def request_stop(signum, frame) -> None:
@@ -1251,9 +1278,8 @@ def check_refit(engine, model, prompt_ids: list[list[int]], buckets) -> None:
 
 
 def quiet_vllm(tied: bool) -> None:
-    """vLLM's warnings that are by design here: at every refit, that rotary buffers and a tied head get no tensors (an
-    untied head that gets none holds garbage: that one stays); unless VLLM_LOGGING_LEVEL is set, notes a user cannot
-    act on (no Triton on CPU, our chunked-prefill and enforce_eager choices; LD_PRELOAD: docs/), and INFO lines."""
+    """Filters vLLM's warnings that are by design here (each refit's, that rotary buffers and a tied head get no
+    tensors) and, unless VLLM_LOGGING_LEVEL is set, the notes a user cannot act on and the INFO lines."""
     by_design = ["RotaryEmbedding: Failed to load weights"] + ["ParallelLMHead: Failed"] * tied
     if "VLLM_LOGGING_LEVEL" not in os.environ:
         by_design += ["Triton", "chunked prefill", "SSM cache", "Attempted to load weight", "binding", "LD_PRELOAD"]

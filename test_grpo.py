@@ -18,6 +18,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -886,7 +887,7 @@ def test_a_nemo_rl_config_converts_to_a_recipe(tmp_path):
     path.write_text(NEMO_RL_CONFIG)
     start = time.perf_counter()
     result = run(["grpo.py", "--config", str(path)])
-    assert result.returncode == 2 and time.perf_counter() - start < 10
+    assert result.returncode == 2 and time.perf_counter() - start < 30  # imports: 10-12 s on a busy 2-core machine
     assert result.stderr.strip().splitlines() == [
         f"config error: {path} is a NeMo-RL config: convert it first, python tools/nemo_rl_config.py {path}"
     ]
@@ -1509,7 +1510,8 @@ def test_hostile_rewards_in_workers_cost_a_few_limits_and_leave_nothing(dist_wor
     results = runner([(time.sleep, (600,), {})] * 40)
     took = time.perf_counter() - start
     late = "gave no result within env.reward_timeout_s=1.0"
-    assert results == [(None, late)] * 4 + [(None, f"not run: the 4 calls before it {late}")] * 36 and took < 4
+    assert results == [(None, late)] * 4 + [(None, f"not run: the 4 calls before it {late}")] * 36
+    assert took < 20  # 2 rounds of the 1 s limit (2 s; 4.2 s seen on a loaded machine), not one per call (40 s)
     rewards, samples = score([(huge_string_reward, 1.0), (lock_reward, 1.0)], ["a", "b"], runner=runner)
     err = capfd.readouterr().err
     assert rewards == [0.0, 0.0] and len(err) < 1000 and "Traceback" not in err, err[:3000]
@@ -1635,6 +1637,7 @@ def stopped_job(
 
 
 STOPPED_IN_WORKERS = ["env.reward_timeout_s=10", "grpo.max_num_steps=4"]
+STOP_WITHIN_S = 60  # 6 s on an idle machine, 38 s seen on a loaded one; calls waiting out their limits take minutes
 
 
 @pytest.mark.slow
@@ -1646,7 +1649,7 @@ def test_a_ctrl_c_to_the_whole_job_during_rewards_finishes_the_step(one_rank_run
     result, seconds = stopped_job(args, tmp_path, stop_at=128 + 50, sig="SIGINT")  # 128 calls a step
     print(f"exit {result.returncode} {seconds:.1f} s after the signal")
     assert result.returncode == 0 and "Traceback" not in result.stderr and "warning" not in result.stderr, result.stderr
-    assert "stopped by signal after step 2, checkpoint saved" in result.stdout and seconds < 20
+    assert "stopped by signal after step 2, checkpoint saved" in result.stdout and seconds < STOP_WITHIN_S
     assert os.listdir(tmp_path / "checkpoints") == ["step_2"]
     straight = [m["train/reward"] for m in one_rank_run[1][:2]]
     assert [m["train/reward"] for m in read_metrics(tmp_path)] == straight
@@ -1660,7 +1663,7 @@ def test_a_stop_to_the_whole_job_during_an_environment_step_finishes_the_step(mu
     result, seconds = stopped_job(args, tmp_path, stop_at=200)  # 128 a turn
     print(f"exit {result.returncode} {seconds:.1f} s after the signal")
     assert result.returncode == 0 and "Traceback" not in result.stderr and "warning" not in result.stderr, result.stderr
-    assert "stopped by signal after step 1, checkpoint saved" in result.stdout and seconds < 20
+    assert "stopped by signal after step 1, checkpoint saved" in result.stdout and seconds < STOP_WITHIN_S
     straight = [m["train/reward"] for m in read_metrics(multiturn_run[0])[:1]]
     assert [m["train/reward"] for m in read_metrics(tmp_path)] == straight
 
@@ -1674,7 +1677,7 @@ def test_a_stop_to_the_whole_job_under_torchrun_during_validation_finishes_the_s
     print(f"torchrun exit {result.returncode} {seconds:.1f} s after the signal")
     assert result.stderr.count("Traceback") == 1 and result.stderr.rstrip().endswith("got signal: 15")  # torchrun's
     assert "failed" not in result.stderr and "warning (rank" not in result.stderr, result.stderr[-3000:]
-    assert result.stdout.count("stopped by signal after step 1, checkpoint saved") == 1 and seconds < 30
+    assert result.stdout.count("stopped by signal after step 1, checkpoint saved") == 1 and seconds < STOP_WITHIN_S
     assert os.listdir(tmp_path / "checkpoints") == ["step_1"]
     assert read_metrics(tmp_path)[0]["train/reward"] == read_metrics(two_rank_runs[0])[0]["train/reward"]
 
@@ -1729,14 +1732,17 @@ def hanging_trl_reward(completions, **kwargs):
     time.sleep(60)
 
 
-@pytest.mark.parametrize("timeout", [None, 1.0])
+@pytest.mark.parametrize("timeout", [None, 2.0])
 def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, timeout, capfd):
+    """Room for a loaded machine (CI's 2 cores, shared): the limit is 2 s, and the workers' server imports this module
+    before any call, as grpo.py's imports the rewards' (a first call that imported it ran past a 1 s limit there)."""
     texts = ["ok", "x", "sleep" if timeout else "ok", "ok", "nan", "str"]
-    start, runner = time.perf_counter(), plumbing.Runner(timeout)
+    runner = plumbing.Runner(timeout, [flaky_reward])
+    start = time.perf_counter()
     rewards, _ = score([(flaky_reward, 1.0)], texts, runner=runner)
     assert rewards == [1.0, 0.0, 0.0 if timeout else 1.0, 1.0, 0.0, 0.0]
     err = capfd.readouterr().err
-    assert "flaky_reward raised ValueError: cannot parse x" in err and ("reward_timeout_s=1.0" in err) == bool(timeout)
+    assert "flaky_reward raised ValueError: cannot parse x" in err and ("reward_timeout_s=2.0" in err) == bool(timeout)
     assert "flaky_reward returned nan, not a finite number" in err and "flaky_reward returned '1.0'" in err
     if timeout:  # a batched function that hangs: the whole batch scores 0 for it
         both, _ = score([(hanging_trl_reward, 1.0), (grpo.debug_reward, 1.0)], ["a", "b"], ["a", "a"], runner=runner)
@@ -1754,7 +1760,7 @@ def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, time
     runner.close()
     elapsed = time.perf_counter() - start
     print(f"timeout={timeout}: scored in {elapsed:.2f} s")
-    assert elapsed < 30  # each hang sleeps 60 s; its worker is killed at the limit and replaced
+    assert elapsed < 30  # three hangs of 60 s each: each worker is killed at the limit and replaced
 
 
 def test_keep_top_k_and_latest(tmp_path):
@@ -1770,6 +1776,39 @@ def test_keep_top_k_and_latest(tmp_path):
     ckpt.higher_is_better = False
     plumbing.prune_checkpoints(ckpt)
     assert sorted(os.listdir(tmp_path)) == ["step_5", "step_6"]  # 0.3 and 0.2 beat 0.5
+
+
+def checkpoint_of_step(path: pathlib.Path, step: int) -> str:
+    """A directory with what a checkpoint's training_info.json says of its step."""
+    path.mkdir()
+    (path / "training_info.json").write_text(json.dumps({"step": step}))
+    return str(path)
+
+
+def test_a_resumed_run_logs_each_step_once(dist_world, tmp_path):
+    """A resume drops metrics.jsonl's lines after its checkpoint's step (logged before a failure; the last one cut
+    short by a kill) before it logs; a fresh start in the same log_dir drops them all."""
+    lines = [json.dumps({"step": step, "train/reward": step / 10}) + "\n" for step in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 6, "train/rew')
+    cfg = plumbing.load_config(TINY + [f"logger.log_dir={tmp_path}"])
+    plumbing.Logger(cfg, checkpoint_of_step(tmp_path / "step_3", 3)).log(4, {"train/reward": 0.0})
+    assert [(m["step"], m["train/reward"]) for m in read_metrics(tmp_path)] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.0)]
+    plumbing.Logger(cfg, None)
+    assert read_metrics(tmp_path) == []
+
+
+def test_a_resumed_run_goes_on_as_the_same_wandb_run(dist_world, tmp_path, monkeypatch):
+    """wandb (an optional extra), offline: a resume continues the wandb run of the same log_dir, a fresh start makes
+    a new one."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = plumbing.load_config(TINY + ["logger.wandb_enabled=true", f"logger.log_dir={tmp_path}"])
+    ids = []
+    for resume_from in (None, checkpoint_of_step(tmp_path / "step_1", 1), None):
+        logger = plumbing.Logger(cfg, resume_from)
+        ids.append(logger.wandb.id)
+        logger.wandb.finish()
+    assert ids[0] == ids[1] != ids[2]
 
 
 def test_a_half_removed_checkpoint_is_not_counted(dist_world, tmp_path):
@@ -3190,6 +3229,61 @@ def test_kill_during_save_then_sigterm_then_resume(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {ckpt_dir / f'step_{stopped}'}" in result.stdout
     assert read_metrics(tmp_path)[-1]["step"] == stopped + 1
+
+
+def killing_reward(prompt, completion, answer):
+    """debug_reward; rank 1 kills its own process (SIGKILL, once) at its first call after step 4 is logged: the
+    step-3 checkpoint is complete, and step 4's line is in metrics.jsonl (a resume must drop it)."""
+    log_dir = pathlib.Path(os.environ["KILL_LOG_DIR"])
+    if os.environ["RANK"] == "1" and not (log_dir / "killed").exists() and (log_dir / "metrics.jsonl").exists():
+        if 4 in [m["step"] for m in read_metrics(log_dir)]:
+            (log_dir / "killed").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return grpo.debug_reward(prompt, completion, answer)
+
+
+def restarted(results: list[subprocess.CompletedProcess], log_dir, straight) -> None:
+    """Rank 1 was killed in step 5 and torchrun restarted the job: it resumed from step 3 in attempt 1, its launchers
+    exit 0, metrics.jsonl holds each step once, and every step's reward and loss equal the undisturbed run's."""
+    out = "".join(r.stdout for r in results)
+    assert all(r.returncode == 0 for r in results), "".join(r.stderr[-3000:] for r in results)
+    assert (log_dir / "killed").exists() and out.count("resumed from") == 1
+    assert f"resumed from {log_dir / 'checkpoints' / 'step_3'} (step 3, attempt 1)" in out
+    metrics = read_metrics(log_dir)
+    diffs = max_diffs(read_metrics(straight), metrics)  # steps 1-6, each once, in order
+    print(f"killed in step 5, restarted, resumed after step 3 vs undisturbed, max |diff| over steps 1-6: {diffs}")
+    print("rewards of steps 4-6:", [m["train/reward"] for m in metrics[3:]])
+    assert diffs["train/reward"] < 1e-6 and diffs["train/loss"] < 1e-5
+
+
+KILLED = TINY + ["env.reward_fn=test_grpo:killing_reward", "grpo.max_num_steps=6", "checkpointing.save_period=3"]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_is_restarted_by_torchrun_and_resumes_exactly(two_rank_runs, tmp_path):
+    """README's command with a restart budget: rank 1 killed after step 4; torchrun restarts both processes, which
+    meet in a new store (torchrun's still holds the dead attempt's addresses) and resume from step 3."""
+    command = ["-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1", "grpo.py"]
+    args = KILLED + ["grpo.val_greedy=true", f"logger.log_dir={tmp_path}"]
+    result = run_together({"job": command + args}, {**clean_env(), "KILL_LOG_DIR": str(tmp_path)})["job"]
+    restarted([result], tmp_path, two_rank_runs[0])
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_survive_a_kill_and_equal_one_node(two_rank_runs, tmp_path):
+    """README's multi-node form: two launchers (one process each, c10d rendezvous) train as one launcher with two
+    processes. Rank 1 killed after step 4: the nodes' restart counts may differ (each agent counts its own), yet the
+    ranks agree on attempt 1 and resume."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1"]
+    command += ["--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", "grpo.py"]
+    args = KILLED + ["grpo.val_greedy=true", f"logger.log_dir={tmp_path}"]
+    env = {**clean_env(), "KILL_LOG_DIR": str(tmp_path)}
+    restarted(
+        list(run_together({"node0": command + args, "node1": command + args}, env).values()), tmp_path, two_rank_runs[0]
+    )
 
 
 @pytest.mark.slow
