@@ -1118,7 +1118,7 @@ def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, gree
 
 @dataclass
 class Run:
-    """Everything the loop carries from step to step."""
+    """Everything the loop carries from step to step; `info` is saved with each checkpoint and restored."""
 
     cfg: plumbing.Config
     tokenizer: Any
@@ -1132,7 +1132,6 @@ class Run:
     policy: Any = None  # FSDP2 model
     reference: Any = None  # pi_ref: a frozen copy of the initial policy (LoRA: the policy, adapters off) or None
     optimizer: Optional[torch.optim.AdamW] = None
-    # Saved with each checkpoint and restored (rank 0 writes it: a key added here must be equal on every rank).
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
     failing: dict = field(default_factory=dict)  # {(what failed all of a step on a rank, the rank): steps in a row}
 

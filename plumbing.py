@@ -1178,6 +1178,7 @@ def attempt_store() -> dict:
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         launcher.set("grpo_attempt", f"{address} {store.port} {launcher.add('grpo_attempts', 1) - 1}")
     while store is None:
+        time.sleep(0.1)  # between reads of a post that refused: rank 0 is still starting, leave it the cores
         address, port, _ = launcher.get("grpo_attempt").decode().split()
         with contextlib.suppress(OSError):  # one that refuses is the dead attempt's: torchrun stops all workers first
             socket.create_connection((address, int(port)), timeout=2).close()
