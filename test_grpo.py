@@ -680,6 +680,8 @@ def one_line_errors(tmp_path_factory) -> tuple:
     plumbing.build_tiny_debug(str(tmp / "tied"))
     config = json.loads((tmp / "tied" / "config.json").read_text())
     (tmp / "tied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    shutil.copytree(tmp / "tied", tmp / "capped")  # Gemma 2's logit softcapping: the chunked head would skip it
+    (tmp / "capped" / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": 30.0}))
     log, lora = f"logger.log_dir={tmp}", ["policy.lora.enabled=true"]
     commands = {
         "template": TINY + ["data.prompt_template={} Reply with just the answer inside \\boxed{}."],
@@ -691,6 +693,7 @@ def one_line_errors(tmp_path_factory) -> tuple:
         + ["policy.lora.match_all_linear=false", "policy.lora.target_modules=[qproj, v_proj]"],
         "no_hub_model": TINY + ["policy.model_name=nobody/no-such-model", log],
         "no_model_dir": TINY + [f"policy.model_name={tmp}/nope", log],
+        "softcapped": [f"policy.model_name={tmp}/capped", log],
         "no_log_dir": TINY + ["logger.log_dir=/proc/grpo-logs"],
         "no_checkpoint_dir": TINY + [log, "checkpointing.checkpoint_dir=/proc/grpo-checkpoints"],
         "no_hub_dataset": TINY + ["data.dataset_name=nobody/no-such-dataset", log],
@@ -970,6 +973,9 @@ def test_a_model_or_dataset_that_cannot_load_exits_with_one_line(one_line_errors
         assert one_line(results[name]).startswith(f"config error: {key}: cannot load '{value}'")
     # a path the user gave, not a hub name: say there is no such directory (not "Repo id must be in the form ...")
     assert one_line(results["no_model_dir"]) == f"config error: policy.model_name: no such directory: {tmp}/nope"
+    assert one_line(results["softcapped"]) == (
+        "config error: policy.model_name: grpo.py's attention and LM head do not apply final_logit_softcapping"
+    )
 
 
 def test_unwritable_log_and_checkpoint_dirs_exit_with_one_line(one_line_errors):
@@ -2211,19 +2217,26 @@ def uneven_worker():
         cfg = plumbing.load_config(
             TINY + options + ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"]
         )
-        every = torch.arange(len(rows))
-        plans = [
-            len(list(grpo.plan_micro_batches(batch.input_ids, batch.token_mask, every, cfg, kind)))
-            for kind in ("train", "logprob")
-        ]
         torch.manual_seed(0)
         model = grpo.load_policy(plumbing.resolve_model_path(cfg), cfg, trainable=True)
+        every = torch.arange(len(rows))
+        plans = [
+            len(list(grpo.plan_micro_batches(batch.input_ids, batch.token_mask, every, cfg, kind, model)))
+            for kind in ("train", "logprob")
+        ]
         optimizer = grpo.make_optimizer(model, cfg)
         batch.prev_logprobs = None
         lp = grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
+        with torch.no_grad():  # each sample alone, the whole batch's on both ranks (FSDP's forwards need all)
+            every = small_batch()
+            alone = [model(input_ids=every.input_ids[i : i + 1]).logits.log_softmax(-1)[0, :-1] for i in range(6)]
+        model.reshard()
+        alone = [a.gather(1, every.input_ids[i, 1:, None])[:, 0] * every.token_mask[i, 1:] for i, a in enumerate(alone)]
+        alone = torch.stack([torch.cat([torch.zeros(1), alone[i]]) for i in rows])  # [len(rows), T]
         metrics = grpo.train_step(as_run(None, model, optimizer, cfg), batch, step=1)
         results[str(budget)] = [
             plans,
+            (lp - alone).abs().max().item(),  # each sample's logprobs against the sample alone
             lp.sum().item(),
             metrics["train/grad_norm"],
             metrics["train/loss"],
@@ -2247,10 +2260,12 @@ def test_ranks_with_uneven_samples_run_the_same_forwards():
     assert zero["8"][0] == one["8"][0] == zero["1"][0] == [3, 3]  # rank 0: two empty micro-batches, each time
     for r in (zero, one):  # micro-batching, empty ones included, changes nothing
         for key in ("8", "20", "1"):
-            assert r[key][1:] == pytest.approx(r["4096"][1:], rel=1e-5, abs=1e-6), key
+            assert r[key][2:] == pytest.approx(r["4096"][2:], rel=1e-5, abs=1e-6), key
+        assert max(r[key][1] for key in r if key != "rank") < 1e-5  # packed or not, each sample is itself
 
 
-def test_packed_logprobs_entropy_and_gradients_equal_each_sample_alone(dist_world, tmp_path):
+@pytest.mark.parametrize("chunk", [7, 1024])  # several chunks of the LM head, each recomputed in backward; one, kept
+def test_packed_logprobs_entropy_and_gradients_equal_each_sample_alone(dist_world, tmp_path, chunk):
     """A packed row changes nothing but the cost: each sample's logprobs and entropies (0 off the scored tokens) and
     their gradients are those of a plain transformers forward of the sample alone, log-softmax at the temperature
     written out here; the prompts two groups share are computed once, a same-length prompt that differs kept apart."""
@@ -2263,8 +2278,8 @@ def test_packed_logprobs_entropy_and_gradients_equal_each_sample_alone(dist_worl
         torch.randn(batch.input_ids.shape, generator=g),
         torch.randn(batch.input_ids.shape, generator=g),
     )
-    cfg = plumbing.load_config(TINY + ["policy.logprob_chunk_size=7", "policy.generation.temperature=0.7"])
-    lp, entropy = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, cfg)  # 7 tokens a chunk: several
+    cfg = plumbing.load_config(TINY + [f"policy.logprob_chunk_size={chunk}", "policy.generation.temperature=0.7"])
+    lp, entropy = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, cfg)
     ((lp * weights).sum() + (entropy * entropy_weights).sum()).backward()
     grads = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
     model.zero_grad(set_to_none=True)
@@ -2285,6 +2300,56 @@ def test_packed_logprobs_entropy_and_gradients_equal_each_sample_alone(dist_worl
     assert diff < 1e-5 and grad_diff < 1e-5
     assert (lp * (1 - batch.token_mask)).abs().max() == 0 and (entropy * (1 - batch.token_mask)).abs().max() == 0
     assert entropy[batch.token_mask > 0].min() > 0
+
+
+def test_a_micro_batch_of_long_samples_holds_no_tensor_of_its_tokens_squared(dist_world, tmp_path):
+    """Attention over a packed micro-batch costs each sample's own tokens: through its forward and backward no tensor
+    has two dimensions of at least half its N tokens (the dense [N, N] mask had), and each sample's logprobs are
+    still those of the sample alone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.worst = ()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and sum(d >= n_tokens // 2 for d in t.shape) > len(self.worst):
+                    self.worst = tuple(d for d in t.shape if d >= n_tokens // 2)
+            return out
+
+    path = str(tmp_path / "tiny")
+    plumbing.build_tiny_debug(path)
+    model = grpo.load_policy(path, plumbing.load_config(TINY), trainable=True)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(5, 90, (40,), generator=g).tolist()  # 4 samples of one prompt, then one of another
+    samples = [
+        grpo.Sample("", prompt, torch.randint(5, 90, (n,), generator=g).tolist(), [0.0] * n, [1] * n)
+        for n in (400, 300, 450, 200)
+    ]
+    samples.append(grpo.Sample("", prompt[:30], [7] * 100, [0.0] * 100, [1] * 100))
+    ids, mask, _ = grpo.pack_batch(samples, 0)
+    n_tokens = 40 + 400 + 300 + 450 + 200 + 130
+    with Shapes() as shapes:
+        lp, entropy = grpo.policy_logprobs(model, ids, mask, plumbing.load_config(TINY))
+        (lp.sum() + entropy.sum()).backward()
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        alone = [
+            torch.log_softmax(model(input_ids=ids[i : i + 1, : s.length()]).logits[0, :-1], -1).gather(
+                1, ids[i, 1 : s.length(), None]
+            )[:, 0]
+            for i, s in enumerate(samples)
+        ]
+    model.reshard()
+    diff = max(
+        (lp[i, len(s.prompt_ids) : s.length()] - alone[i][len(s.prompt_ids) - 1 :]).abs().max().item()
+        for i, s in enumerate(samples)
+    )
+    print(f"{n_tokens} tokens: largest dimensions of at least N/2 in one tensor {shapes.worst}; vs alone {diff:.2e}")
+    assert len(shapes.worst) == 1 and diff < 1e-5
 
 
 def test_meta_device_load_equals_transformers(dist_world, tmp_path):
@@ -2875,6 +2940,80 @@ def test_gpu_sleep_wake_refit_cycles(ranks, tp):
     print(f"ranks={ranks or 1} tp={tp}: {r}")
     errors = r["mean_abs_logprob_error_per_step"]
     assert errors[0] < 0.05 and max(errors) < 1.6 * errors[0] + 1e-3  # the mismatch stays at its first value
+
+
+def random_llama(tmp_path, hidden: int, layers: int, positions: int, *options: str) -> tuple:
+    """A random Llama (8 heads, 2 KV heads, MLP 4 x hidden, a 32k vocabulary) as the policy at bf16: its transformers
+    config, the run's config and the FSDP2 model."""
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        max_position_embeddings=positions,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    cfg = plumbing.load_config(
+        TINY + [f"policy.model_name={tmp_path / 'llama'}", "policy.precision=bfloat16", *options]
+    )
+    return config, cfg, grpo.load_policy(str(tmp_path / "llama"), cfg, trainable=True)
+
+
+def test_a_training_micro_batch_keeps_the_activations_of_docs_formula(dist_world, tmp_path):
+    """What a training forward keeps for its backward grows by docs/gpus.md's activations per token (bf16, a 32k
+    vocabulary: a kept [tokens, vocab] logit tensor would add 64 KB a token), measured by autograd's saved tensors."""
+    config, cfg, model = random_llama(tmp_path, 512, 2, 2048, "policy.logprob_chunk_size=256")
+
+    def kept(tokens: int) -> int:
+        storages = {}
+
+        def pack(t):
+            if not isinstance(t, torch.nn.Parameter):
+                storages[id(t.untyped_storage())] = t.untyped_storage()  # held: an id is not reused meanwhile
+            return t
+
+        ids = torch.randint(10, 32000, (1, tokens))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, entropy = grpo.policy_logprobs(model, ids, (ids > 0).float().index_fill(1, torch.tensor([0]), 0), cfg)
+        (lp.sum() + entropy.sum()).backward()
+        model.zero_grad(set_to_none=True)
+        return sum(s.nbytes() for s in storages.values())
+
+    per_token = (kept(2048) - kept(1024)) / 1024
+    formula = (plumbing.activation_bytes(config, 2048, cfg) - plumbing.activation_bytes(config, 1024, cfg)) / 1024
+    print(f"kept per token {per_token:.0f} bytes, formula {formula:.0f}")
+    assert 0.8 * formula <= per_token <= 1.1 * formula
+
+
+@pytest.mark.gpu
+def test_gpu_a_16k_token_micro_batch_attends_by_a_kernel_that_skips_and_fits_the_formula(dist_world, tmp_path):
+    """A training micro-batch of 16k tokens (4 samples of ~4k after a shared prompt) at the default precision: its
+    attention runs by SDPA's flash or memory-efficient kernel, which skip masked blocks (any other kernel raises
+    here), and its forward + backward peaks within docs/gpus.md's training formula: the gradients and the bf16 copies
+    of the weights, plus the activations."""
+    needs_gpus(0, vllm=False)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    config, cfg, model = random_llama(tmp_path, 1024, 4, 16384)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, 32000, (128,), generator=g).tolist()
+    completions = [torch.randint(10, 32000, (4064,), generator=g).tolist() for _ in range(4)]
+    ids, mask, _ = grpo.pack_batch([grpo.Sample("", prompt, c, [0.0] * 4064, [1] * 4064) for c in completions], 0)
+    ids, mask = ids.cuda(), mask.cuda()  # 128 + 4 x 4064 = 16,384 tokens in the row
+    parameters = sum(p.numel() for p in model.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        lp, entropy = grpo.policy_logprobs(model, ids, mask, cfg)
+        (lp.sum() + entropy.sum()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    formula = parameters * (4 + 2) + plumbing.activation_bytes(config, 16384, cfg)
+    print(f"{torch.cuda.get_device_name()}: 16,384 tokens, peak {peak / 2**30:.2f} GiB, formula {formula / 2**30:.2f}")
+    assert torch.isfinite(lp).all() and peak <= 1.1 * formula
 
 
 GPU_JOB = TINY + ["policy.precision=bfloat16", "grpo.val_period=2", "checkpointing.save_period=2"]
