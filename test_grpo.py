@@ -3570,12 +3570,16 @@ def test_kill_during_save_then_sigterm_then_resume(tmp_path):
 
 def killing_reward(prompt, completion, answer):
     """debug_reward; rank 1 kills its own process (SIGKILL, once) at its first call after step 4 is logged: the
-    step-3 checkpoint is complete, and step 4's line is in metrics.jsonl (a resume must drop it)."""
+    step-3 checkpoint is complete, and step 4's line is in metrics.jsonl (a resume must drop it). With SLOW_RANK_0
+    set, rank 0's first call then takes that many seconds: the dead attempt's rank 0 and store outlive rank 1."""
     log_dir = pathlib.Path(os.environ["KILL_LOG_DIR"])
-    if os.environ["RANK"] == "1" and not (log_dir / "killed").exists() and (log_dir / "metrics.jsonl").exists():
+    if not (log_dir / f"done_rank{os.environ['RANK']}").exists() and (log_dir / "metrics.jsonl").exists():
         if 4 in [m["step"] for m in read_metrics(log_dir)]:
-            (log_dir / "killed").touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+            (log_dir / f"done_rank{os.environ['RANK']}").touch()
+            if os.environ["RANK"] == "1":
+                (log_dir / "killed").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(float(os.environ.get("SLOW_RANK_0", "0")))
     return grpo.debug_reward(prompt, completion, answer)
 
 
@@ -3626,8 +3630,9 @@ def test_two_nodes_on_one_machine_survive_a_kill_and_equal_one_node(two_rank_run
 @pytest.mark.slow
 def test_a_node_restarted_alone_waits_for_the_others_and_resumes(two_rank_runs, tmp_path):
     """The static multi-node form (`--node_rank`): torchrun restarts a failed node's ranks alone. Rank 1 killed after
-    step 4: its node restarts in attempt 1 and waits, rank 0 fails at its next collective and its node restarts too,
-    and both meet in attempt 1's store (not the dead attempt's) and resume exactly."""
+    step 4 while rank 0 spends 20 s in a reward: rank 1's node restarts in attempt 1 and waits, though attempt 0's
+    rank 0 and store are still up; rank 0 fails at its next collective and its node restarts too, and both meet in
+    attempt 1's store and resume exactly."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -3635,7 +3640,7 @@ def test_a_node_restarted_alone_waits_for_the_others_and_resumes(two_rank_runs, 
     command += ["--master_addr=127.0.0.1", f"--master_port={port}"]
     args = ["grpo.py"] + KILLED + ["grpo.val_greedy=true", f"logger.log_dir={tmp_path}"]
     nodes = {f"node{k}": command + [f"--node_rank={k}"] + args for k in (0, 1)}
-    results = run_together(nodes, {**clean_env(), "KILL_LOG_DIR": str(tmp_path)})
+    results = run_together(nodes, {**clean_env(), "KILL_LOG_DIR": str(tmp_path), "SLOW_RANK_0": "20"})
     restarted(list(results.values()), tmp_path, two_rank_runs[0])
 
 
