@@ -737,7 +737,7 @@ class VllmEngine:
             self.llm.wake_up(tags=[tag])
             self.metrics[f"memory/free_gib_after_wake_{tag}"] = torch.cuda.mem_get_info()[0] / 2**30
         if tag in self.asleep and tag == "weights":  # vLLM's worker restores the buffers: they stay
-            self.llm.apply_model(lambda model: [p.data.fill_(math.nan) for p in model.parameters()] and None)
+            self.llm.apply_model(lambda m: [p.data.fill_(math.nan) for p in m.parameters() if p.is_floating_point()])
         self.asleep.discard(tag)
 
     def update_weights(self, buckets) -> None:
@@ -853,10 +853,12 @@ def set_adapters(model, enabled: bool) -> None:
 
 def load_policy(path: str, cfg: plumbing.Config, trainable: bool, auto=transformers.AutoModelForCausalLM):
     """HF model -> FSDP2 (a unit per decoder layer), built on the meta device; rank 0 reads, broadcasts."""
+    bf16 = cfg.policy.precision == "bfloat16"
     with torch.device("meta"):
         config = transformers.AutoConfig.from_pretrained(path)
-        dtype = torch.bfloat16 if cfg.policy.precision == "bfloat16" and not trainable else torch.float32  # frozen
-        model = auto.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
+    for param in model.parameters() if bf16 and not trainable else []:  # frozen: bf16, its buffers fp32 as the policy's
+        param.data = param.data.to(torch.bfloat16)
     with contextlib.suppress(OSError):  # HFEngine and the export use it
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     lora = cfg.policy.lora.enabled and trainable
@@ -864,7 +866,6 @@ def load_policy(path: str, cfg: plumbing.Config, trainable: bool, auto=transform
         add_lora(model, cfg.policy.lora)
     if cfg.policy.activation_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    bf16 = cfg.policy.precision == "bfloat16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     mesh = dist.init_device_mesh(device().type, (dist.get_world_size(),))
     for module in model.modules():
@@ -1171,8 +1172,7 @@ def setup(cfg: plumbing.Config) -> Run:
     make_env, reward_fns = plumbing.exit_on_config_error(get_scoring, cfg)
     runner = plumbing.Runner(cfg.env.reward_timeout_s, [r.fn for r in reward_fns] + [make_env])
     run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, plumbing.Logger(cfg, resume_from))
-    # vLLM first, alone: it wants a clean view of device memory, and it re-seeds the global RNGs at start. Its seeded
-    # generations from the checkpoint's weights are the start-up check's reference; then it sleeps as after a step.
+    # vLLM first, alone (it re-seeds the global RNGs): its seeded generations are the start-up check's reference.
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
     if engine:
         plumbing.print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")

@@ -1150,15 +1150,14 @@ def attempt_store(timeout: datetime.timedelta) -> dict:
     if os.environ["RANK"] == "0":
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         launcher.set("grpo_attempt", f"{host} {store.port} {max(ATTEMPT, launcher.add('grpo_attempts', 1) - 1)}")
-    deadline, post = time.monotonic() + timeout.total_seconds(), "none"
+    deadline = time.monotonic() + timeout.total_seconds()
     while store is None:
-        if launcher.check(["grpo_attempt"]):
-            post = launcher.get("grpo_attempt").decode()
-            address, port, attempt = post.split()
-            with contextlib.suppress(OSError):  # one that refuses is the dead attempt's: it waits for the next post
-                if int(attempt) >= ATTEMPT:
-                    socket.create_connection((address, int(port)), timeout=2).close()
-                    store = dist.TCPStore(address, int(port), is_master=False, timeout=timeout)
+        post = launcher.get("grpo_attempt").decode()  # the first post, waited for up to the timeout
+        address, port, attempt = post.split()
+        with contextlib.suppress(OSError):  # one that refuses is the dead attempt's: it waits for the next post
+            if int(attempt) >= ATTEMPT:
+                socket.create_connection((address, int(port)), timeout=2).close()
+                store = dist.TCPStore(address, int(port), is_master=False, timeout=timeout)
         if store is None and time.monotonic() > deadline:
             raise TimeoutError(f"no store of attempt {ATTEMPT} or later from rank 0 (its last post: {post})")
         time.sleep(0.1)  # between reads: rank 0 is still starting, leave it the cores
@@ -1267,6 +1266,7 @@ def check_refit(engine, rows: list[dict], before: Optional[list[dict]]) -> None:
 def activation_bytes(config, tokens: int, cfg: Config) -> int:
     """docs/gpus.md's training formula: the bytes a micro-batch of `tokens` keeps for its backward (LM head too)."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    i = max(i, getattr(config, "num_experts_per_tok", 1) * (getattr(config, "moe_intermediate_size", None) or i))  # MoE
     layer = 20 * h + 8 * i
     per_token = (layers * 2 * h + layer if cfg.policy.activation_checkpointing else layers * layer) + 10 * h
     precision = 1 if cfg.policy.precision == "bfloat16" else 2
@@ -1282,11 +1282,12 @@ def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float
     p, gib, vllm = cfg.policy, 2**30, cfg.policy.generation.backend == "vllm"
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-        rewards = [transformers.AutoConfig.from_pretrained(s) for s in cfg.env.reward_fn or [] if ":" not in s]
+        rewards = [load_model_files(s, "env.reward_fn", False)[1] for s in cfg.env.reward_fn or [] if ":" not in s]
         rewards = [transformers.AutoModelForSequenceClassification.from_config(c) for c in rewards]
     params = sum(t.numel() for t in model.parameters())  # a tied tensor once
-    units = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]  # decoder layers
-    layer = max([sum(t.numel() for t in m.parameters()) for m in units], default=0)
+    names = model._no_split_modules or []  # the decoder layer's class: FSDP's units
+    units = [sum(t.numel() for t in m.parameters()) for m in model.modules() if type(m).__name__ in names]
+    layer, root = max(units, default=0), params - sum(units)  # root: the embeddings, the head, the final norm
     trained = sum(p.lora.dim * (m.in_features + m.out_features) for _, _, m in lora_targets(model, p.lora)) or params
     reference = not p.lora.enabled and any(v for k, v in cfg.loss_fn.items() if k.startswith("reference_"))
     half = 2 if p.precision == "bfloat16" else 4  # a parameter's bytes in the compute precision: vLLM's, a frozen one's
@@ -1295,7 +1296,7 @@ def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float
     frozen = half * params * reference / gpus  # a reward model is in host memory but while it scores
     scorer = half * sum(t.numel() for m in rewards for t in m.parameters()) / gpus
     share = p.generation.vllm_cfg.gpu_memory_utilization * device_gib * gib * vllm
-    trainer = state + frozen + 2 * half * layer  # two decoder layers gathered
+    trainer = state + frozen + half * (2 * layer + 2 * root)  # two layers gathered; FSDP's root and its gradient too
     per_token = activation_bytes(config, 1, cfg) - activation_bytes(config, 0, cfg)
     fit = int(((device_gib - CONTEXT_GIB) * gib - trainer - activation_bytes(config, 0, cfg)) // per_token)
     full = p.train_micro_batch_size * p.max_total_sequence_length  # NeMo-RL's micro-batch, where it fits
