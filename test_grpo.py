@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import types
@@ -449,7 +450,8 @@ def test_datasets_use_the_prompt_template():
             "grpo.max_val_samples=5",
         ]
     )
-    train, val = plumbing.load_datasets(cfg)
+    train, sets = plumbing.load_datasets(cfg)
+    (val,) = sets.values()
     assert len(train) == 10_000 and len(val) == 5
     assert train[0]["prompt"].startswith("Q: What is ") and train[0]["prompt"].endswith(" A:")
     assert val[0]["prompt"].startswith("Q: Using the numbers") and set(val[0]["answer"]) == {"numbers", "target"}
@@ -705,7 +707,13 @@ def one_line_errors(tmp_path_factory) -> tuple:
         "rm_no_hub_model": TINY + ["env.reward_fn=[grpo:debug_reward, nobody/no-such-reward-model]", log],
         "not_chat": TINY + [f"data.dataset_name={tmp}/not-chat.jsonl", log],
         "gpu_unseen": TINY + [f"data.dataset_name={tmp}/nope.jsonl", log],  # with a stand-in nvidia-smi listing 2 GPUs
+        "teacher_no_dir": TINY + [f"policy.frozen_models.teacher={tmp}/nope", log],
+        "teacher_tokens": TINY + [f"policy.frozen_models.teacher={tmp}/other-tokens", log],
     }
+    shutil.copytree(tmp / "tied", tmp / "other-tokens")  # tiny-debug's tokenizer and one token more
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp / "tied")
+    tokenizer.add_tokens(["<think>"])
+    tokenizer.save_pretrained(tmp / "other-tokens")
     train_reward_model(str(tmp / "two-labels"), labels=2, steps=0)
     rows = [{"question": "Repeat the letter a. " * 10, "answer": "a"}] * 3  # longer than 64 - 16 tokens
     (tmp / "long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -1013,7 +1021,7 @@ def test_a_gpu_machine_whose_torch_sees_no_gpu_exits_with_one_line(one_line_erro
 
 def test_validation_prompts_all_too_long_exit_with_one_line_that_says_so(one_line_errors):
     assert one_line(one_line_errors[0]["long_val_prompts"]).startswith(
-        "config error: data: 0 validation prompts (3 dropped as too long), fewer than the 1 ranks"
+        "config error: data: 0 long validation prompts (3 dropped as too long), fewer than the 1 ranks"
     )
 
 
@@ -1033,8 +1041,7 @@ def test_a_reward_model_that_cannot_score_exits_with_one_line(one_line_errors):
 def test_a_prompt_list_that_is_not_chat_messages_exits_with_one_line(one_line_errors):
     results, tmp = one_line_errors
     assert one_line(results["not_chat"]) == (
-        f"config error: data: {tmp}/not-chat.jsonl row 1: its field 'question' is a list but not chat messages "
-        '([{"role": ..., "content": ...}, ...])'
+        f"config error: data: {tmp}/not-chat.jsonl row 1: its field 'question' is a list but not chat messages"
     )
 
 
@@ -1048,6 +1055,15 @@ def test_a_missing_config_or_data_file_exits_with_one_line(one_line_errors):
     results, tmp = one_line_errors
     assert one_line(results["no_config_file"]) == "config error: config file not found: /nonexistent.yaml"
     assert one_line(results["no_data_file"]) == f"config error: data: file not found: {tmp}/nope.jsonl"
+
+
+def test_a_frozen_model_missing_or_with_another_tokenizer_exits_with_one_line(one_line_errors):
+    """Checked with the config, before the engine starts: no hub error after vLLM's start-up."""
+    results, tmp = one_line_errors
+    missing = f"config error: policy.frozen_models.teacher: no such directory: {tmp}/nope"
+    assert one_line(results["teacher_no_dir"]) == missing
+    other = f"config error: policy.frozen_models.teacher: {tmp}/other-tokens's tokenizer is not the policy's"
+    assert one_line(results["teacher_tokens"]) == other
 
 
 def test_lora_on_a_tied_head_exits_with_one_line(one_line_errors):
@@ -1119,7 +1135,7 @@ def test_jsonl_dataset_missing_field(tmp_path):
         plumbing.load_datasets(cfg)
     cfg = plumbing.load_config(TINY + [f"data.dataset_name={path}", "data.input_key=problem"])
     train, val = plumbing.load_datasets(cfg)
-    assert train[0]["prompt"] == "1+1" and val == []  # one row: nothing to hold out
+    assert train[0]["prompt"] == "1+1" and val == {"held_out": []}  # one row: nothing to hold out
     path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
     with pytest.raises(plumbing.ConfigError, match=f"{path} row 2 has no field 'answer'"):
         plumbing.load_datasets(cfg)
@@ -1132,6 +1148,38 @@ def test_jsonl_dataset_missing_field(tmp_path):
     path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": null, "answer": "4"}\n')  # not a prompt "None"
     with pytest.raises(plumbing.ConfigError, match=f"{path} row 2: its field 'problem' is null"):
         plumbing.load_datasets(cfg)
+
+
+@pytest.mark.slow
+def test_several_validation_sets_each_under_its_name_and_a_warning_for_prompts_also_trained(tmp_path):
+    """data.val_dataset_name as a list with a {name: file} in it: each set is validated and logged under its own
+    prefix, the first as validation/ (its accuracy the checkpoints' metric). The prompts that are training prompts
+    too are counted in one warning."""
+    letters = {"train": "abcd", "seen": "ab", "unseen": "xyz"}
+    for name, chars in letters.items():
+        rows = [{"question": f"Repeat the letter {c}.", "answer": c} for c in chars for _ in range(2)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    knobs = [
+        f"data.dataset_name={tmp_path / 'train.jsonl'}",
+        "env.reward_fn=grpo:debug_reward",
+        "data.prompt_template={}",
+    ]
+    knobs += [f"data.val_dataset_name=[{tmp_path / 'seen.jsonl'}, {{letters: {tmp_path / 'unseen.jsonl'}}}]"]
+    result = run(["grpo.py"] + TINY + knobs + ["grpo.max_num_steps=1", f"logger.log_dir={tmp_path / 'logs'}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("warning: 4 validation prompts are training prompts too") == 1  # seen's 4, not x y z
+    assert "validation 4 seen (0 dropped), 6 letters (0 dropped)" in result.stdout
+    (metrics,) = read_metrics(tmp_path / "logs")
+    assert metrics["validation/samples"] == 4 and metrics["validation/letters/samples"] == 6
+    assert {
+        "validation/accuracy",
+        "validation/letters/accuracy",
+        "validation/letters/rewards/debug_reward/mean",
+    } <= set(metrics)
+    files = sorted(f for f in os.listdir(tmp_path / "logs") if f.startswith("val_"))
+    assert files == ["val_data_letters_step1.jsonl", "val_data_step1.jsonl"]
+    info = json.loads((tmp_path / "logs" / "checkpoints" / "step_1" / "training_info.json").read_text())
+    assert info["val_reward"] == metrics["validation/accuracy"]
 
 
 def test_a_jsonl_file_saved_with_a_byte_order_mark_loads(tmp_path):
@@ -1150,9 +1198,10 @@ def test_a_jsonl_file_holds_out_a_share_for_validation(tmp_path):
     path = tmp_path / "data.jsonl"
     for rows, want in [(200, 20), (300, 30), (9, 0), (5000, 256)]:
         path.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(rows)))
-        train, val = plumbing.load_datasets(
+        train, sets = plumbing.load_datasets(
             plumbing.load_config(TINY + [f"data.dataset_name={path}", "grpo.max_val_samples=256"])
         )
+        val = sets["held_out"]
         assert len(val) == want and len(train) == rows - want
         assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
         assert [r["prompt"] for r in train] == sorted((r["prompt"] for r in train), key=lambda p: int(p[1:]))
@@ -1183,7 +1232,9 @@ def test_a_prompt_of_chat_messages_is_the_chat(tmp_path):
     train, val = plumbing.load_datasets(cfg)
     kept, dropped = plumbing.tokenize_prompts(train, tiny_tokenizer(tmp_path), cfg)
     e = {"role": "user", "content": "Q: e?"}
-    assert dropped == 0 and val == [] and [r["messages"] for r in kept] == [[kind, c], [terse, d], [kind, e]]
+    assert (
+        dropped == 0 and val == {"held_out": []} and [r["messages"] for r in kept] == [[kind, c], [terse, d], [kind, e]]
+    )
     assert [r["prompt"] for r in kept] == ["Repeat the letter c.", "Repeat the letter d.", "Q: e?"]
     assert [r["answer"] for r in kept] == ["c", "d", "e"] and kept[1]["columns"] == rows[1]
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tiny"))
@@ -1325,7 +1376,9 @@ def huge_reward(prompt, completion, answer):
 
 
 def flaky_reward(prompt, completion, answer):
-    """Raises on 'x', hangs on 'sleep', returns NaN on 'nan' and a string on 'str', else 1."""
+    """Raises on 'x', hangs on 'sleep', returns NaN on 'nan', a string on 'str' and None on 'none', else 1."""
+    if completion == "none":
+        return None
     if completion == "x":
         raise ValueError("cannot parse x")
     if completion in ("nan", "str"):
@@ -1378,10 +1431,10 @@ def test_reward_functions_weighted_and_trl_style(dist_world, capfd):
     assert per_sample == [2 / 3, 1.0, 0.0, 1.0, 0.5]
     trl, samples = score([(trl_letter_reward, 1.0)], texts, answers)
     assert trl == per_sample[:3] + [0.0] + per_sample[4:]  # the same rule; None adds nothing
-    assert [s.rewards["trl_letter_reward"] for s in samples] == [2 / 3, 1.0, 0.0, None, 0.5]
+    assert [s.rewards["trl_letter_reward"] for s in samples] == [2 / 3, 1.0, 0.0, 0.0, 0.5]
     both, samples = score([(grpo.debug_reward, 0.5), (trl_letter_reward, 2.0)], texts, answers)
     assert both == pytest.approx([0.5 * a + 2.0 * b for a, b in zip(per_sample, trl)])
-    assert samples[3].rewards == {"debug_reward": 1.0, "trl_letter_reward": None}
+    assert samples[3].rewards == {"debug_reward": 1.0, "trl_letter_reward": 0.0}
     assert capfd.readouterr().err == ""
 
     def wrong_length(completions, **kwargs):
@@ -1434,15 +1487,9 @@ def test_trl_reward_functions_run_as_trl_runs_them(dist_world, capfd):
         assert [s.extra for s in samples] == [{"length": n} for n in (3, 2, 0, 2)]
         assert capfd.readouterr().err == ""
     runner.close()
-    # Every function returns None for the empty completion: as TRL, no baseline counts it and its advantage is 0.
+    # Every function returns None for the empty completion: as TRL's sum of the functions that apply, it scores 0.
     rewards, samples = score([(a_share_unless_empty, 1.0)], ["aa", "", "ab", "b"])
-    for sample, reward in zip(samples, rewards):
-        sample.reward = reward
-    cfg = plumbing.load_config(TINY + ["grpo.num_generations_per_prompt=4"])
-    advantages = grpo.make_batch(samples, cfg, 0).advantages.sum(1).tolist()  # one completion token each
-    # leave-one-out over the scored 1, 0.5, 0: the 1's others 0.5, 0 (mean 0.25, std 0.354); 0.5's 1, 0; 0's 1, 0.5
-    want = [0.75 / math.sqrt(0.125), 0.0, 0.0, -0.75 / math.sqrt(0.125)]
-    assert advantages == pytest.approx(want) and rewards == [1.0, 0.0, 0.5, 0.0]
+    assert rewards == [1.0, 0.0, 0.5, 0.0] and capfd.readouterr().err == ""  # None is no failure: no warning
 
 
 def test_reward_workers_are_ready_before_the_first_call(dist_world):
@@ -1769,6 +1816,53 @@ def test_reward_or_environment_that_raises_or_hangs_scores_zero(dist_world, time
     assert elapsed < 30  # three hangs of 60 s each: each worker is killed at the limit and replaced
 
 
+def test_a_reward_that_fails_in_any_way_scores_0_in_its_group_and_dynamic_sampling_agrees(dist_world, capfd):
+    """None, an exception, a timeout, NaN and a string: each scores 0, and the sample stays in its group's baseline
+    and std (the advantages against NeMo-RL's formula with 0 in its place). The metrics count the 0 too. Dynamic
+    sampling drops exactly the group whose advantages are all 0: the group of failures alone."""
+    groups = [["ok", "none", "x", "nan"], ["sleep", "ok", "ok", "str"], ["none", "none", "ok", "ok"]]
+    groups += [["x", "nan", "none", "sleep"]]
+    runner = plumbing.Runner(2.0, [flaky_reward])
+    rewards, samples = score([(flaky_reward, 1.0)], sum(groups, []), runner=runner)
+    runner.close()
+    want = [1.0, 0, 0, 0, 0, 1.0, 1.0, 0, 0, 0, 1.0, 1.0, 0, 0, 0, 0]
+    assert rewards == want and [s.rewards["flaky_reward"] for s in samples] == want
+    assert [bool(s.errors) for s in samples[:4]] == [False, False, True, True]  # None is no failure
+    assert "gave no result within" in capfd.readouterr().err
+    for sample, reward in zip(samples, rewards):
+        sample.reward = reward
+    cfg = plumbing.load_config(
+        TINY + ["grpo.num_generations_per_prompt=4", "grpo.num_prompts_per_step=3", "policy.train_global_batch_size=4"]
+    )
+    advantages = grpo.make_batch(samples, cfg, 0).advantages.sum(1)  # one token each
+    torch.testing.assert_close(advantages, torch.tensor(nemo_rl_advantages(want, 4, True, True)))
+    records = [plumbing.record(s) for s in samples]
+    assert plumbing.reward_metrics(records, "train")["train/rewards/flaky_reward/mean"] == 5 / 16
+    by_group = [samples[k : k + 4] for k in range(0, 16, 4)]
+    kept, _ = grpo.dynamic_sampling(
+        types.SimpleNamespace(cfg=cfg, info={"consumed_samples": 0}), 1, lambda *_, **__: by_group
+    )
+    assert kept == by_group[:3] == [g for g, a in zip(by_group, advantages.view(4, 4)) if a.any()]
+
+
+def test_dynamic_sampling_keeps_equal_task_rewards_that_the_overlong_penalty_tells_apart(dist_world):
+    """With overlong shaping on, the same task reward at lengths 8, 12, 13 and 14 of 16 (a penalty past 12) has
+    advantages: the group is kept. At lengths up to 12 it has none: dropped, as a group of equal rewards without it."""
+    knobs = ["grpo.num_generations_per_prompt=4", "grpo.num_prompts_per_step=1", "policy.train_global_batch_size=4"]
+    knobs += ["grpo.reward_shaping.enabled=true"]
+    cfg = plumbing.load_config(TINY + knobs + ["grpo.reward_shaping.overlong_buffer_length=4"])
+    groups = [
+        [grpo.Sample("p", [1], [5] * n, [0.0] * n, [1] * n, reward=1.0) for n in lengths]
+        for lengths in ((4, 5, 6, 12), (8, 12, 13, 14))
+    ]
+    run = types.SimpleNamespace(cfg=cfg, info={"consumed_samples": 0})
+    kept, metrics = grpo.dynamic_sampling(run, 1, lambda *_, **__: groups)
+    assert kept == groups[1:] and metrics["train/dynamic_sampling_num_discarded_samples"] == 4
+    assert grpo.make_batch(groups[0], cfg, 0).advantages.abs().sum() == 0
+    cfg.grpo.reward_shaping.enabled = False  # the same lengths without shaping: equal rewards, nothing kept
+    assert not grpo.compute_advantages(grpo.shaped_rewards(groups[1], cfg), cfg.grpo).any()
+
+
 def test_keep_top_k_and_latest(tmp_path):
     for step, value in zip(range(1, 7), [0.1, float("nan"), 0.5, None, 0.3, 0.2]):
         os.makedirs(tmp_path / f"step_{step}" / "policy")
@@ -1896,7 +1990,7 @@ def as_run(engine, policy, optimizer, cfg) -> types.SimpleNamespace:
 
 
 def logprobs(model, batch, cfg) -> torch.Tensor:
-    return grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
+    return grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)[0]
 
 
 def small_batch(seed: int = 0) -> grpo.RolloutBatch:
@@ -1910,6 +2004,25 @@ def small_batch(seed: int = 0) -> grpo.RolloutBatch:
     return grpo.RolloutBatch(
         ids, mask, mask.clone(), gen_lp, advantages, torch.zeros(6), torch.zeros(6, dtype=bool), []
     )
+
+
+def test_pi_olds_pass_keeps_the_entropy_and_the_loss_reads_the_advantages_without_changing_them(dist_world, tmp_path):
+    """After train_step, batch.entropy is pi_old's entropy at each of the model's tokens, whether pi_old came from the
+    update's own forward (one update) or from a pass before two. batch.trained_advantages holds what the loss used,
+    and batch.advantages is as make_batch left it, so a second call on the batch reads the same advantages: a
+    per-token term added to mb.advantages applies once a step."""
+    plumbing.build_tiny_debug(str(tmp_path / "tiny"))
+    batch, advantages = small_batch(), small_batch().advantages
+    for updates, call in itertools.product((1, 2), (1, 2)):
+        knobs = ["grpo.num_prompts_per_step=6", "grpo.num_generations_per_prompt=1"]
+        cfg = plumbing.load_config(TINY + knobs + [f"policy.train_global_batch_size={6 // updates}"])
+        model = grpo.load_policy(str(tmp_path / "tiny"), cfg, trainable=True)  # pi_old: the initial policy each time
+        want = grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)[1]
+        batch.prev_logprobs = None
+        grpo.train_step(as_run(None, model, grpo.make_optimizer(model, cfg), cfg), batch, step=1)
+        torch.testing.assert_close(batch.entropy, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(batch.advantages, advantages) and torch.equal(batch.trained_advantages, advantages)
+    assert (want * batch.token_mask).sum() > 0
 
 
 # token budgets: the whole batch in one micro-batch first (the reference), then smaller ones, down to a sample each
@@ -1972,11 +2085,11 @@ def trained_twice(path: str, cfg, resumed: bool) -> tuple[list, list, dict]:
             memory["state_bytes"] = sum(local_bytes(v) for v in state)
             memory["weight_bytes"] = sum(local_bytes(p) for p in run.policy.parameters())
             memory["loaded"], ids = allocated(), [id(p) for p in run.policy.parameters()]
-            grpo.move_trainer(run, "host", "optimizer", "reference")
+            grpo.move_trainer(run, "host", "optimizer", "frozen")
             memory["optimizer on host"] = allocated()
             grpo.move_trainer(run, "host", "policy")
             memory["trainer on host"] = allocated()
-            grpo.move_trainer(run, "device", "policy", "reference", "optimizer")
+            grpo.move_trainer(run, "device", "policy", "frozen", "optimizer")
             memory["back"] = allocated()
             assert [id(p) for p in run.policy.parameters()] == ids  # the optimizer's keys
         batch.prev_logprobs = None  # pi_old: the update's own forward
@@ -2040,7 +2153,7 @@ def check_phases(events: list) -> list[str]:
     engine, a move that undoes the part's last one before anything used it (an update or a save used what was on the
     device, a generation what was not). The engine starts awake, before any part of the trainer exists."""
     awake, wrong = True, []
-    where, used = dict.fromkeys(["policy", "reference", "optimizer"], "host"), {"policy", "reference", "optimizer"}
+    where, used = dict.fromkeys(["policy", "frozen", "optimizer"], "host"), {"policy", "frozen", "optimizer"}
     for i, (name, *args) in enumerate(events):
         if name in ("sleep", "wake"):
             awake = name == "wake"
@@ -2066,6 +2179,8 @@ def test_beside_an_awake_engine_the_trainer_holds_at_most_what_it_must(tmp_path)
     check's too) has the trainer in host memory, and no move is undone before it is used. On a CPU the engine cannot
     sleep and the moves are no-ops, but the order is the same."""
     args = TINY + ["loss_fn.reference_policy_kl_penalty=0.01", "grpo.val_period=1", "checkpointing.save_period=2"]
+    plumbing.build_tiny_debug(str(tmp_path / "teacher"))  # a frozen model beside the reference
+    args += [f"policy.frozen_models.teacher={tmp_path / 'teacher'}"]
     for steps in (3, 4):  # the second run resumes from the first's step 3
         result = run([__file__, "phases_worker", *args, f"grpo.max_num_steps={steps}", f"logger.log_dir={tmp_path}"])
         assert result.returncode == 0, result.stderr[-3000:]
@@ -2073,6 +2188,58 @@ def test_beside_an_awake_engine_the_trainer_holds_at_most_what_it_must(tmp_path)
         print(f"{steps} steps: {len(events)} events, {sum(e == ['generate'] for e in events)} generations")
         assert check_phases(events) == [] and ["update"] in events and ["save"] in events
     assert ["load"] in events and f"resumed from {tmp_path / 'checkpoints' / 'step_3'}" in result.stdout
+
+
+def test_a_teacher_as_a_per_token_reward_follows_the_gradient_of_its_reverse_kl(dist_world, tmp_path):
+    """README's on-policy distillation, its lines run as written at the per-token term's place: completions the policy
+    sampled, with equal rewards (group advantages 0). The update's gradient against beta x the gradient of the exact
+    KL(pi || teacher) over the vocabulary at the same contexts, averaged over the tokens: cosine at least 0.9."""
+    plumbing.build_tiny_debug(str(tmp_path / "tiny"))
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
+    torch.manual_seed(1)
+    for param in teacher.parameters():
+        param.data += 0.05 * torch.randn_like(param)
+    teacher.save_pretrained(tmp_path / "teacher")
+    readme = open(os.path.join(HERE, "README.md")).read()
+    recipe = readme.split("**On-policy distillation**")[1].split("```python\n")[1].split("```")[0]
+    n, prompts = 16, 16
+    knobs = [f"grpo.num_generations_per_prompt={n}", f"grpo.num_prompts_per_step={prompts}"]
+    cfg = plumbing.load_config(TINY + knobs + [f"policy.train_global_batch_size={n * prompts}"])
+    cfg.loss_fn.teacher_kl_reward = beta = 0.5  # the recipe's knob
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    policy = grpo.load_policy(str(tmp_path / "tiny"), cfg, trainable=True)
+    run = types.SimpleNamespace(frozen={"teacher": grpo.load_policy(str(tmp_path / "teacher"), cfg, trainable=False)})
+    chats = [[{"role": "user", "content": row["question"]}] for row in plumbing.debug_task(prompts, 0)]
+    rows = [
+        {"prompt_ids": tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False)} for c in chats
+    ]
+    requests = {f"r{i}": (rows[i // n]["prompt_ids"], i, None, 16) for i in range(n * prompts)}
+    out = grpo.HFEngine(policy, tokenizer, cfg).step_until(requests)
+    samples = [
+        grpo.Sample("", rows[i // n]["prompt_ids"], *out[f"r{i}"][:2], [1] * len(out[f"r{i}"][0]))
+        for i in range(n * prompts)
+    ]
+    mb = grpo.make_batch(samples, cfg, tokenizer.pad_token_id)
+    assert mb.advantages.abs().sum() == 0  # equal rewards: the teacher's term alone moves the policy
+    logprobs, entropy = grpo.policy_logprobs(policy, mb.input_ids, mb.token_mask, cfg)
+    mb.prev_logprobs = logprobs.detach()
+    exec(
+        textwrap.dedent(recipe),
+        {"cfg": cfg, "mb": mb, "run": run, "batched_logprobs": grpo.batched_logprobs},
+    )
+    tokens = mb.token_mask.sum()
+    grpo.clipped_pg_loss(logprobs, entropy, mb, cfg.loss_fn, tokens)[0].backward()
+    update = torch.cat([p.grad.full_tensor().flatten() for p in policy.parameters()])
+    policy.zero_grad()
+    with torch.no_grad():
+        teacher_logp = run.frozen["teacher"](input_ids=mb.input_ids).logits.float().log_softmax(-1)[:, :-1]
+    logp = policy(input_ids=mb.input_ids).logits.float().log_softmax(-1)[:, :-1]  # [B, T - 1, V]: the next token's
+    kl = (logp.exp() * (logp - teacher_logp)).sum(-1)  # [B, T - 1] at each token's context
+    (beta * (kl * mb.token_mask[:, 1:]).sum() / tokens).backward()
+    exact = torch.cat([p.grad.full_tensor().flatten() for p in policy.parameters()])
+    cosine = torch.nn.functional.cosine_similarity(update, exact, dim=0).item()
+    print(f"{int(tokens)} tokens: cosine {cosine:.3f}, norms {update.norm():.4g} (update), {exact.norm():.4g} (exact)")
+    assert cosine >= 0.9
 
 
 def test_a_frozen_reference_sits_in_bf16_and_gives_the_policys_logprobs(dist_world, tmp_path):
@@ -2241,7 +2408,7 @@ def uneven_worker():
         ]
         optimizer = grpo.make_optimizer(model, cfg)
         batch.prev_logprobs = None
-        lp = grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
+        lp = grpo.batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)[0]
         with torch.no_grad():  # each sample alone, the whole batch's on both ranks (FSDP's forwards need all)
             every = small_batch()
             alone = [model(input_ids=every.input_ids[i : i + 1]).logits.log_softmax(-1)[0, :-1] for i in range(6)]
@@ -2866,7 +3033,7 @@ def router_bias_worker():
     sent = dict(pair for bucket in grpo.weight_buckets(policy, cfg) for pair in bucket)[name]
     engine.update_weights(grpo.weight_buckets(policy, cfg))
     held = engine.llm.apply_model(lambda model: model.get_parameter(name).tolist())[0]
-    plumbing.export_hf(grpo.weight_buckets(policy, cfg), policy, tokenizer, out + "/hf", cfg)
+    plumbing.export_hf(grpo.weight_buckets(policy, cfg), policy, tokenizer, out, cfg)  # out/hf
     exported = transformers.AutoModelForCausalLM.from_pretrained(out + "/hf").get_buffer(name).tolist()
     print(json.dumps({"sent": sent.tolist(), "dtype": str(sent.dtype), "engine": held, "export": exported}))
     engine.close()
@@ -3074,6 +3241,21 @@ def test_the_memory_plan_agrees_with_docs_refuses_what_does_not_fit_and_meets_th
     plan, _ = plumbing.memory_plan(plumbing.load_config(one, 1), qwen25("1.5B"), 1, 1, 140.4)
     print(f"the plan's training phase {plan['training']:.1f} GiB, measured 35.4 GiB: {plan['training'] / 35.4:.3f}x")
     assert 0.9 < plan["training"] / 35.4 < 1.15  # 1.11x: an upper bound, and that run's code kept more than today's
+
+
+def test_the_memory_plan_counts_a_frozen_model_beside_the_reference(tmp_path):
+    """A teacher in policy.frozen_models (a 7B beside a 1.5B policy, 8 GPUs) adds its bf16 shards, 2 bytes a parameter
+    over the GPUs, to training and save, and each rank's share to a node's host memory; vLLM's phases do not change."""
+    qwen25("7B").save_pretrained(tmp_path)
+    with torch.device("meta"):
+        teacher = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(qwen25("7B")).parameters())
+    plans = [
+        plumbing.memory_plan(plumbing.load_config(args, 8), qwen25("1.5B"), 8, 8, 79.1)[0]
+        for args in ([], [f"policy.frozen_models.teacher={tmp_path}"])
+    ]
+    added = {phase: (plans[1][phase] - plans[0][phase]) * 2**30 for phase in plans[0]}
+    share = 2 * teacher / 8
+    assert added == pytest.approx(dict(setup=0, refit=0, generation=0, training=share, save=share, host=8 * share))
 
 
 def test_the_memory_plan_prints_without_a_gpu_or_weights(tmp_path):
@@ -3476,6 +3658,41 @@ def test_export_loads_in_transformers_and_matches_the_policy(one_rank_run, dist_
     policy.reshard()
     print(f"export vs restored policy: max |logit diff| {diff:.2e} (vs the initial model: {moved:.2f})")
     assert info["step"] == 30 and diff < 1e-5 and moved > 0.1
+
+
+def tensors_in(directory) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(pathlib.Path(directory).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["one_rank_run", "lora_run"])
+def test_any_checkpoint_exports_to_a_plain_hf_model_with_one_command(which, request, tmp_path):
+    """`python grpo.py export CHECKPOINT` on a copy of the last checkpoint without its export writes hf/ (and LoRA's
+    hf_adapter/) again, tensor for tensor. On step 10's, a run's middle, its config from an older grpo.py, it writes a
+    model transformers loads."""
+    saved = request.getfixturevalue(which)[0] / "checkpoints"
+    last = shutil.copytree(saved / "step_30", tmp_path / "step_30", ignore=shutil.ignore_patterns("hf*"))
+    middle = shutil.copytree(saved / "step_10", tmp_path / "step_10")
+    config = json.loads((middle / "config.yaml").read_text())  # as an older grpo.py wrote it, with a knob now gone
+    (middle / "config.yaml").write_text(
+        json.dumps({**config, "logger": {**config["logger"], "tensorboard_enabled": 0}})
+    )
+    for checkpoint in (last, middle):
+        result = run(["grpo.py", "export", str(checkpoint)])
+        assert result.returncode == 0, result.stderr[-3000:]
+    for part in ["hf"] + ["hf_adapter"] * (which == "lora_run"):
+        written, again = tensors_in(saved / "step_30" / part), tensors_in(last / part)
+        assert written.keys() == again.keys() and all(torch.equal(written[k], again[k]) for k in written)
+    assert not [f for f in os.listdir(middle / "hf") if "optim" in f]
+    ids = torch.randint(0, 100, (4, 20))
+    with torch.no_grad():
+        logits = [
+            transformers.AutoModelForCausalLM.from_pretrained(d / "hf")(input_ids=ids).logits for d in (last, middle)
+        ]
+    print(f"{which}: steps 10 and 30 exported, max |logit diff| between them {(logits[0] - logits[1]).abs().max():.3f}")
+    assert (logits[0] - logits[1]).abs().max() > 1e-3
 
 
 def export_vllm_worker():
