@@ -108,9 +108,11 @@ class RolloutBatch:
 
 
 def seed_of(*parts: int) -> int:
-    """A 31-bit seed mixed from non-negative integers. Trailing zeros do not change it, so a seed that must differ ends
-    in a part that is not 0. Every seed comes from the run's, grpo.seed, the engine's too. draw_prompts, generate,
-    train, train_step and refit_policy_generation derive the others, each where it uses them."""
+    """A 31-bit seed mixed from non-negative integers. Trailing zeros do not change it, so each use ends in its own
+    tail. All come from the run's seed, grpo.seed, which also seeds the engine and LoRA's first adapters (setup).
+    Sample k of prompt j has seed_of(grpo.seed, step, j n + k) (draw_prompts); validate's take grpo.seed + 1. A
+    request's is seed_of(its sample's, turn) in generate, or seed_of(its sample's, tokens so far) in partial_rollout.
+    LoRA's dropout each step ends in 3 (train), bf16's rounding in 1 (train_step), LoRA's merge in 2 (refit)."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
 
 
@@ -143,10 +145,8 @@ def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
 
 
 def draw_prompts(run: Run, step: int, first: int, count: int) -> tuple[list[int], list[int]]:
-    """This rank's next `count` prompts of the data order, and their samples' seeds. From the run's seed (grpo.seed),
-    sample k of prompt j gets the sample's seed seed_of(grpo.seed, step, j n + k). j counts the step's prompts over all
-    ranks from `first`, the number drawn before. validate seeds its samples alike from grpo.seed + 1. generate derives a
-    turn's request's seed as seed_of(sample's seed, t), a partial rollout as seed_of(sample's seed, tokens so far)."""
+    """This rank's next `count` prompts of the data order, and their samples' seeds (seed_of). Prompt j counts the
+    step's prompts over all ranks from `first`, the number drawn before."""
     g, n, rank = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, dist.get_rank()
     counts = gather_all([count])  # each rank's count; they differ with partial rollouts
     rows = plumbing.prompt_indices(run.info["consumed_samples"], sum(counts), len(run.train_rows), run.cfg)
@@ -1135,7 +1135,7 @@ def train(cfg: plumbing.Config) -> None:
     if g.val_at_start and run.info["step"] == 0:
         run.logger.log(0, validate(run, 0))
     for step in range(run.info["step"] + 1, g.max_num_steps + 1):
-        torch.manual_seed(seed_of(g.seed, step))  # LoRA's dropout, seeded by the step so a resume is exact
+        torch.manual_seed(seed_of(g.seed, step, 0, 3))  # LoRA's dropout, seeded by the step so a resume is exact
         times, val = defaultdict(float), {}
         with plumbing.timed(times, "total_step_time"):
             with plumbing.timed(times, "refit"):  # the last update's weights into the engine

@@ -1355,7 +1355,7 @@ def test_a_run_ends_after_max_num_epochs(tmp_path):
     ]
     result = run(["grpo.py"] + TINY + data + ["grpo.max_num_epochs=1", "grpo.max_num_steps=100"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "36 train prompts" in result.stdout and "4 validation" in result.stdout
+    assert "36 train prompts" in result.stdout and "validation 4 held_out (0 dropped)" in result.stdout
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]  # ceil(36 / 16) steps
     trained = {
         json.loads(line)["prompt"] for step in (1, 2, 3) for line in open(tmp_path / f"train_data_step{step}.jsonl")
@@ -1366,7 +1366,8 @@ def test_a_run_ends_after_max_num_epochs(tmp_path):
     result = run(["grpo.py"] + TINY + data + ["grpo.max_num_steps=1"], ranks=2)
     assert (
         result.returncode != 0
-        and "config error: data: 0 validation prompts (0 dropped as too long), fewer than the 2 ranks" in result.stderr
+        and "config error: data: 0 held_out validation prompts (0 dropped as too long), fewer than the 2"
+        in result.stderr
     )
 
 
@@ -1775,10 +1776,9 @@ def test_reward_functions_end_to_end(tmp_path):
     assert metrics["train/progress"] == 1 / 2 and [s["extra"]["length"] for s in samples] == [
         len(s["turns"][0]["text"]) for s in samples
     ]  # log_metric at step 2 of 2 (global_step 1), log_extra per sample
-    applies = [p["trl_letter_reward"] for p in parts if p["trl_letter_reward"] is not None]
-    assert len(applies) < len(parts) and metrics["train/rewards/trl_letter_reward/mean"] == pytest.approx(
-        sum(applies) / len(applies)
-    )
+    values = [p["trl_letter_reward"] for p in parts]  # None, "does not apply", scores 0 and counts in the mean
+    assert {v for s, v in zip(samples, values) if "letter d" in s["prompt"]} == {0.0}
+    assert metrics["train/rewards/trl_letter_reward/mean"] == pytest.approx(sum(values) / len(values))
 
 
 def hanging_trl_reward(completions, **kwargs):
@@ -1985,7 +1985,7 @@ def debug_rollout(engine, rows, tokenizer, cfg, seeds) -> grpo.RolloutBatch:
 def as_run(engine, policy, optimizer, cfg) -> types.SimpleNamespace:
     """What refit_policy_generation and train_step read of a run."""
     return types.SimpleNamespace(
-        engine=engine, policy=policy, reference=None, optimizer=optimizer, cfg=cfg, tokenizer=None
+        engine=engine, policy=policy, reference=None, optimizer=optimizer, cfg=cfg, tokenizer=None, frozen={}
     )
 
 
@@ -3549,8 +3549,8 @@ def test_resume_is_exact_at_the_default_precision(tmp_path):
 
 @pytest.mark.slow
 def test_dynamic_sampling_is_exact_across_ranks_and_resume(tmp_path):
-    """DAPO (dynamic sampling, overlong shaping and filtering, clip-higher): each trained group has rewards that
-    differ; 1 rank, 2 ranks and 2 ranks resumed after step 2 give the same numbers."""
+    """DAPO (dynamic sampling, overlong shaping and filtering, clip-higher): each trained group has shaped rewards that
+    differ, so advantages; 1 rank, 2 ranks and 2 ranks resumed after step 2 give the same numbers."""
     common = TINY + [
         "grpo.use_dynamic_sampling=true",
         "grpo.reward_shaping.enabled=true",
@@ -3567,7 +3567,7 @@ def test_dynamic_sampling_is_exact_across_ranks_and_resume(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
     keys = (
         "train/reward",
-        "train/filtered_reward",
+        "train/drawn_reward",
         "train/loss",
         "train/dynamic_sampling_num_gen_batches",
         "train/dynamic_sampling_num_discarded_samples",
@@ -3587,7 +3587,7 @@ def test_dynamic_sampling_is_exact_across_ranks_and_resume(tmp_path):
         samples = [json.loads(line) for line in open(one / f"train_data_step{step}.jsonl")]
         groups = [samples[i : i + 8] for i in range(0, 128, 8)]
         assert len(groups) == 16 and all(
-            len({s["reward"] for s in g}) > 1 and len({s["prompt"] for s in g}) == 1 for g in groups
+            len({s["shaped_reward"] for s in g}) > 1 and len({s["prompt"] for s in g}) == 1 for g in groups
         )
 
 
