@@ -473,7 +473,7 @@ def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
             if own_forward:
                 mb.prev_logprobs = batch.prev_logprobs[m, :width] = logprobs.detach()
                 mb.entropy = batch.entropy[m, :width] = entropy.detach()
-            # A per-token term goes here, as in README's recipes; add it to mb.advantages. It can read mb's tokens,
+            # A per-token term goes here (docs/per-token-terms.md); add it to mb.advantages. It can read mb's tokens,
             # masks, pi_old and its entropy, and pi_ref, as well as run.tokenizer and the frozen models in run.frozen.
             batch.trained_advantages[m, :width] = mb.advantages
             loss, metrics = clipped_pg_loss(logprobs, entropy, mb, cfg.loss_fn, normalizer.clamp(min=1.0))

@@ -2191,7 +2191,7 @@ def test_beside_an_awake_engine_the_trainer_holds_at_most_what_it_must(tmp_path)
 
 
 def test_a_teacher_as_a_per_token_reward_follows_the_gradient_of_its_reverse_kl(dist_world, tmp_path):
-    """README's on-policy distillation, its lines run as written at the per-token term's place: completions the policy
+    """docs/per-token-terms.md's on-policy distillation, its lines run as written at the per-token term's place: completions the policy
     sampled, with equal rewards (group advantages 0). The update's gradient against beta x the gradient of the exact
     KL(pi || teacher) over the vocabulary at the same contexts, averaged over the tokens: cosine at least 0.9."""
     plumbing.build_tiny_debug(str(tmp_path / "tiny"))
@@ -2200,7 +2200,7 @@ def test_a_teacher_as_a_per_token_reward_follows_the_gradient_of_its_reverse_kl(
     for param in teacher.parameters():
         param.data += 0.05 * torch.randn_like(param)
     teacher.save_pretrained(tmp_path / "teacher")
-    readme = open(os.path.join(HERE, "README.md")).read()
+    readme = open(os.path.join(HERE, "docs", "per-token-terms.md")).read()
     recipe = readme.split("**On-policy distillation**")[1].split("```python\n")[1].split("```")[0]
     n, prompts = 16, 16
     knobs = [f"grpo.num_generations_per_prompt={n}", f"grpo.num_prompts_per_step={prompts}"]
