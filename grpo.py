@@ -33,6 +33,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
+if __name__ == "__main__":  # a stop signal during the imports ends the run quietly; main then sets what it does
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 if "VLLM_LOGGING_LEVEL" not in os.environ:  # hide torch's C++ notes (vLLM's NUMA binding) unless logs are asked for
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import numpy as np
@@ -1123,7 +1125,7 @@ class Run:
     engine: Any = None  # VllmEngine or HFEngine
     policy: Any = None  # FSDP2 model
     reference: Any = None  # pi_ref, a frozen copy of the initial policy, or LoRA's policy with adapters off, or None
-    frozen: dict = field(default_factory=dict)  # policy.frozen_models as {name: FSDP2 model}, a teacher say
+    frozen: dict = field(default_factory=plumbing.FrozenModels)  # policy.frozen_models as {name: FSDP2 model}
     optimizer: Optional[torch.optim.AdamW] = None
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
     failing: dict = field(default_factory=dict)  # steps in a row, by (what failed all of a step on a rank, the rank)
@@ -1191,7 +1193,8 @@ def setup(cfg: plumbing.Config) -> Run:
         rm.model.config.pad_token_id = rm.tokenizer.pad_token_id
     if any(v for k, v in cfg.loss_fn.items() if k.startswith("reference_")):  # a reference_* knob reads pi_ref
         run.reference = run.policy if cfg.policy.lora.enabled else load_policy(path, cfg, trainable=False)
-    run.frozen = {name: load_policy(other, cfg, trainable=False) for name, other in cfg.policy.frozen_models.items()}
+    for name, other in cfg.policy.frozen_models.items():  # a teacher, say
+        run.frozen[name] = load_policy(plumbing.resolve_model_path(other), cfg, trainable=False)
     run.optimizer = make_optimizer(run.policy, cfg)
     if resume_from:
         run.info = plumbing.load_checkpoint(resume_from, run.policy, run.optimizer, cfg, optimizer_step)
@@ -1203,8 +1206,7 @@ def setup(cfg: plumbing.Config) -> Run:
         torch.use_deterministic_algorithms(False)
         plumbing.check_refit(engine, train_rows[:4], None if resume_from else before)
     plumbing.print0(summary)
-    for signum in (signal.SIGTERM, signal.SIGINT):  # from here on a signal stops the run at the end of a step
-        signal.signal(signum, plumbing.request_stop)
+    plumbing.on_stop_signals(plumbing.request_stop)  # from here on a signal stops the run at the end of a step
     return run
 
 
@@ -1224,8 +1226,9 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["export"] and len(argv) == 2:  # any checkpoint as a plain Hugging Face model (docs/checkpoints.md)
-        return plumbing.export_checkpoint(argv[1], load_policy, weight_buckets)
+    plumbing.on_stop_signals(plumbing.exit_now)  # until the loop runs, a signal exits at once in one line
+    if argv[:1] == ["export"]:  # any checkpoint as a plain Hugging Face model (docs/checkpoints.md)
+        return plumbing.exit_on_config_error(plumbing.export_checkpoint, argv[1:], load_policy, weight_buckets)
     cfg = plumbing.exit_on_config_error(plumbing.load_config, argv, int(os.environ.get("WORLD_SIZE", "1")))
     plumbing.exit_on_config_error(plumbing.check_gpus)
     plumbing.setup_distributed(cfg.grpo.collective_timeout_s)

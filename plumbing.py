@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio, atexit, contextlib, datetime, difflib, functools, glob, importlib, inspect, json, logging, math, multiprocessing
 import multiprocessing.connection, numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile
-import threading, time, traceback, warnings
+import threading, time, traceback, urllib.parse, warnings
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
+import huggingface_hub
 import jinja2
 import numpy as np
 import torch
@@ -30,6 +31,15 @@ from torch.distributed.checkpoint import state_dict as dcp_state
 
 class ConfigError(ValueError):
     pass
+
+
+class FrozenModels(dict):
+    """policy.frozen_models as {name: model}; a name the config does not set is a ConfigError at its first use."""
+
+    def __missing__(self, name):
+        raise ConfigError(
+            f"policy.frozen_models.{name} is not set, and the code reads it: policy.frozen_models.{name}=PATH"
+        )
 
 
 class Config(dict):
@@ -55,6 +65,7 @@ def knob_rules(path: str) -> dict[str, str]:
     return rules
 
 
+transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
 CONFIG_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
 RULES = knob_rules(CONFIG_YAML)
 
@@ -79,9 +90,11 @@ def check_knob(key: str, value, default):
         return None
     if kind is list and not isinstance(value, list):  # one value where a list is expected: a list of one
         value = [value]
-    if kind is float and type(value) in (int, str):  # an int, or what PyYAML reads as a string (1e-5: no dot)
+    # An int where a float goes, or a number PyYAML 1.1 reads as a string (1e-5 and 1e9 have no dot), is a number.
+    if type(value) is str and kind in (int, float) or type(value) is int and kind is float:
         with contextlib.suppress(ValueError):
             value = float(value)
+            value = int(value) if kind is int and value.is_integer() else value
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ConfigError(f"config key '{key}': expected {kind.__name__}, got {type(value).__name__} ({value!r})")
     if condition and not within(value, condition):
@@ -249,7 +262,6 @@ def exit_on_config_error(fn: Callable, *args):
 def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[str], str]:
     """The model's path and tokenizer, the tokenized train and validation rows, the checkpoint to resume from and the
     run's line of data figures, each checked (a ConfigError names the key); a finished run (a requeued job) exits 0."""
-    transformers.utils.logging.disable_progress_bar()  # loading a model is seconds: no bars
     g = cfg.grpo
     for key in ["logger.log_dir"] + ["checkpointing.checkpoint_dir"] * cfg.checkpointing.enabled:
         where = flatten(cfg)[key]
@@ -258,7 +270,7 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
             tempfile.TemporaryFile(dir=where).close()
         except OSError as e:
             raise ConfigError(f"{key}: cannot write to {where} ({e.strerror or e})")
-    path = resolve_model_path(cfg)
+    path = resolve_model_path(cfg.policy.model_name)
     tokenizer, config = load_model_files(path, "policy.model_name")
     scaled = ("final_logit_softcapping", "attn_logit_softcapping", "logit_scale", "logits_scaling")
     unsupported = [k for k in scaled if getattr(config, k, None) not in (None, 1, 1.0)]
@@ -271,8 +283,11 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
         gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
         check_memory(cfg, config, dist.get_world_size(), per_node, gib, host / 2**30)
     for name, other in cfg.policy.frozen_models.items():  # a per-token term reads them beside the policy's tokens
-        if load_model_files(other, f"policy.frozen_models.{name}")[0].get_vocab() != tokenizer.get_vocab():
-            raise ConfigError(f"policy.frozen_models.{name}: {other}'s tokenizer is not the policy's")
+        key, same = f"policy.frozen_models.{name}", lambda p: os.path.realpath(os.path.expanduser(str(p)))
+        if not isinstance(other, str) or same(other) == same(cfg.policy.model_name):  # no second copy of the policy
+            raise ConfigError(f"{key}: expected another model's directory or hub name than the policy's, got {other!r}")
+        if load_model_files(other, key)[0].get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(f"{key}: {other}'s tokenizer is not the policy's")
     if cfg.policy.lora.enabled:  # its targets by name, on the meta device: nothing loads
         with torch.device("meta"):
             lora_targets(transformers.AutoModelForCausalLM.from_config(config), cfg.policy.lora)
@@ -312,12 +327,28 @@ def preflight(cfg: Config) -> tuple[str, Any, list[dict], list[dict], Optional[s
 
 
 def load_model_files(path: str, key: str, tokenizer: bool = True) -> tuple[Any, Any]:
-    """A model's tokenizer (or None) and config from a directory or hub name; one that cannot load: a ConfigError."""
+    """A model's tokenizer (or None) and config from a directory or hub name; one that cannot load: a ConfigError.
+    tiny-debug's come from tiny_debug/, without its weights."""
+    path = TINY_DEBUG if path == "tiny-debug" else path
     if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):  # a path, not a hub name
         raise ConfigError(f"{key}: no such directory: {path}")
-    try:  # no network, a typo in a hub name
-        config = transformers.AutoConfig.from_pretrained(path)
-        return transformers.AutoTokenizer.from_pretrained(path) if tokenizer else None, config
+    load = lambda **kw: (  # noqa: E731
+        transformers.AutoTokenizer.from_pretrained(path, **kw) if tokenizer else None,
+        transformers.AutoConfig.from_pretrained(path, **kw),
+    )
+    with contextlib.suppress(Exception):  # a directory or a model in the hub's cache, without the network
+        return load(local_files_only=True)
+    # The hub's client retries an unreachable host for 30 s, so one short connection decides first.
+    hub = urllib.parse.urlparse(huggingface_hub.constants.ENDPOINT)
+    try:
+        if not os.path.isdir(path) and not huggingface_hub.constants.HF_HUB_OFFLINE:
+            socket.create_connection((hub.hostname, hub.port or 443), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(
+            f"{key}: '{path}' is no directory nor a cached hub model, and {hub.hostname} is unreachable ({e})"
+        )
+    try:  # a typo in a hub name, a gated model
+        return load()
     except Exception as e:
         raise ConfigError(f"{key}: cannot load '{path}' ({type(e).__name__}: {first_line(e)})")
 
@@ -417,8 +448,23 @@ def load_datasets(cfg: Config) -> tuple[list[dict], dict[str, list[dict]]]:
     d, g = cfg.data, cfg.grpo
     train = load_rows(d.dataset_name, d.split, d, 10_000, g.seed)
     sets = {}
-    for item in d.val_dataset_name or ([d.dataset_name] if is_task(d.dataset_name) else []):  # {name: set} or a set
-        sets |= item if isinstance(item, dict) else {re.split("[/:]", item)[-1].split(".")[0]: item}
+    for item in d.val_dataset_name if d.val_dataset_name is not None else [d.dataset_name] * is_task(d.dataset_name):
+        # A set's name goes into file names and metric names, so it is a plain word. A set named by its dataset takes
+        # the dataset's base name, its other characters as "_"; one that two sets would share is refused.
+        named = (
+            item
+            if isinstance(item, dict)
+            else {re.sub(r"\W", "_", re.split("[/:]", str(item))[-1].split(".")[0]): item}
+        )
+        for name, spec in named.items():
+            if not isinstance(spec, str) or not re.fullmatch(r"\w[\w.-]*", str(name)) or name in sets:
+                why = f"{sets.get(name)} and {spec} are both named '{name}'" if name in sets else f"got {item!r}"
+                raise ConfigError(
+                    f"data.val_dataset_name: {why}; a set is a dataset or {{name: dataset}}, a name of letters, digits, _ . -"
+                )
+            sets[name] = spec
+    if d.val_dataset_name is not None and not sets:
+        raise ConfigError("data.val_dataset_name is empty: name a set, or null for data.val_split")
     if sets:
         val = {key: load_rows(name, d.val_split, d, g.max_val_samples, g.seed + 1) for key, name in sets.items()}
     elif is_local(d.dataset_name):  # a tenth held out (seeded, up to max_val_samples), never trained on
@@ -475,10 +521,10 @@ def build_tiny_debug(path: str) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees half a model
 
 
-def resolve_model_path(cfg: Config) -> str:
+def resolve_model_path(name: str) -> str:
     """tiny-debug is built once per host (local rank 0) into a temp dir; anything else is a path or hub name."""
-    if cfg.policy.model_name != "tiny-debug":
-        return cfg.policy.model_name
+    if name != "tiny-debug":
+        return name
     path = os.path.join(tempfile.gettempdir(), "grpo-tiny-debug-v3")
     if os.environ["LOCAL_RANK"] == "0" and not os.path.isdir(path):
         build_tiny_debug(path)
@@ -564,15 +610,19 @@ def write_files(out_dir: str, files: dict) -> None:
             if name.endswith(".safetensors"):
                 tensors = {key: t.contiguous() for key, t in content.items()}
                 save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
+                # safetensors makes its files private (0600); a server running as another user reads them as the rest.
+                umask = os.umask(0o22)
+                os.umask(umask)
+                os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
             else:
                 with open(os.path.join(out_dir, name), "w") as f:
                     json.dump(content, f, indent=1)
 
 
-def export_hf(buckets, model, tokenizer, path: str, cfg: Config) -> None:
-    """Checkpoint `path`'s hf/: safetensors (a file per bucket of grpo's weight_buckets + index), config and tokenizer,
-    rank 0's. With LoRA also hf_adapter/ (export_adapters)."""
-    weight_map, total, out_dir = {}, 0, os.path.join(path, "hf")
+def export_hf(buckets, model, tokenizer, out_dir: str, cfg: Config) -> None:
+    """A Hugging Face model in out_dir: safetensors (a file per bucket of grpo's weight_buckets + index), config and
+    tokenizer, rank 0's. With LoRA also out_dir + "_adapter" (export_adapters)."""
+    weight_map, total = {}, 0
     for i, bucket in enumerate(buckets):
         write_files(out_dir, {f"model-{i:05d}.safetensors": dict(bucket)})
         weight_map.update({name: f"model-{i:05d}.safetensors" for name, _ in bucket})
@@ -584,7 +634,7 @@ def export_hf(buckets, model, tokenizer, path: str, cfg: Config) -> None:
         for part in (model.config, model.generation_config, tokenizer):
             part.save_pretrained(out_dir)
     if cfg.policy.lora.enabled:
-        export_adapters(model, os.path.join(path, "hf_adapter"), cfg)
+        export_adapters(model, out_dir + "_adapter", cfg)
 
 
 def export_adapters(policy, out_dir: str, cfg: Config) -> None:
@@ -603,19 +653,57 @@ def export_adapters(policy, out_dir: str, cfg: Config) -> None:
     write_files(out_dir, {"adapter_model.safetensors": tensors, "adapter_config.json": adapter_config})
 
 
-def export_checkpoint(path: str, load_policy: Callable, weight_buckets: Callable) -> None:
-    """`python grpo.py export CHECKPOINT`: its weights as the last step exports them, a plain Hugging Face model in
-    CHECKPOINT/hf (LoRA's adapters also in hf_adapter/), without the optimizer's state."""
+def export_checkpoint(argv: list[str], load_policy: Callable, weight_buckets: Callable) -> None:
+    """`python grpo.py export CHECKPOINT [OUT_DIR]`: its weights as the last step exports them, a plain Hugging Face
+    model in OUT_DIR (by default CHECKPOINT/hf, which goes when pruning removes its checkpoint), without the optimizer's
+    state. With LoRA its adapters go to OUT_DIR_adapter too. Each is written beside its place and renamed into it, so a
+    stop leaves what was there before."""
+    if not 1 <= len(argv) <= 2:
+        raise ConfigError("usage: python grpo.py export CHECKPOINT [OUT_DIR]")
+    path, out = argv[0], os.path.abspath(argv[1] if len(argv) == 2 else os.path.join(argv[0], "hf"))
+    if not os.path.isdir(path):
+        raise ConfigError(f"export: no such checkpoint directory: {path}")
+    for name in ("config.yaml", "training_info.json", "policy/.metadata"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ConfigError(f"export: {path} is not a checkpoint of grpo.py (no {name})")
+    try:  # every shard the metadata lists, whole, before a model loads
+        shards = dcp.FileSystemReader(os.path.join(path, "policy")).read_metadata().storage_data.values()
+    except Exception as e:
+        raise ConfigError(f"export: {path}/policy/.metadata cannot be read ({type(e).__name__}: {first_line(e)})")
+    for shard in shards:
+        file = os.path.join(path, "policy", shard.relative_path)
+        if not os.path.isfile(file) or os.path.getsize(file) < shard.offset + shard.length:
+            raise ConfigError(f"export: {path} is damaged: {file} is missing or cut short")
     known = flatten(read_yaml(CONFIG_YAML))  # an older grpo.py's knobs that are gone are left out
     saved = {k: v for k, v in flatten(read_yaml(os.path.join(path, "config.yaml"))).items() if k in known}
-    cfg = exit_on_config_error(load_config, [f"{k}={json.dumps(v)}" for k, v in saved.items()])
+    cfg = load_config([f"{k}={json.dumps(v)}" for k, v in saved.items()])
+    tmp = f"{out}.tmp{os.getpid()}"  # export_hf writes the model here, and LoRA's adapters to tmp_adapter
+    places = {out: "config.json"} | ({out + "_adapter": "adapter_config.json"} if cfg.policy.lora.enabled else {})
+    for place, marker in places.items():  # a place is replaced only where it is empty or holds a model already
+        model = os.path.isfile(os.path.join(place, marker)) or os.path.isdir(place) and not os.listdir(place)
+        if os.path.exists(place) and not model:
+            raise ConfigError(
+                f"export: {place} is neither empty nor a model (no {marker}): remove it or give another OUT_DIR"
+            )
+    PARTIAL.extend([tmp, tmp + "_adapter"])  # a stop signal removes them
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        raise ConfigError(f"export: cannot write beside {out} ({e.strerror or e})")
     setup_distributed(cfg.grpo.collective_timeout_s)
-    tokenizer, _ = exit_on_config_error(load_model_files, resolve_model_path(cfg), "policy.model_name")
-    policy = load_policy(resolve_model_path(cfg), cfg, trainable=True)
+    tokenizer, _ = load_model_files(cfg.policy.model_name, "policy.model_name")
+    policy = load_policy(resolve_model_path(cfg.policy.model_name), cfg, trainable=True)
     state = trained_state(policy, [])  # the model's, without an optimizer
     dcp.load(state, checkpoint_id=os.path.join(path, "policy"))
     dcp_state.set_model_state_dict(policy, state["model"], options=dcp_state.StateDictOptions(strict=False))
-    export_hf(weight_buckets(policy, cfg), policy, tokenizer, path, cfg)
+    export_hf(weight_buckets(policy, cfg), policy, tokenizer, tmp, cfg)
+    for place in places:  # the old export goes aside, the new one into its place, and the old one is removed
+        old = f"{place}.old{os.getpid()}"
+        if os.path.exists(place):
+            os.rename(place, old)
+        os.rename(tmp + place[len(out) :], place)
+        shutil.rmtree(old, ignore_errors=True)
+    print(f"exported {path} to {' and '.join(places)}")
     dist.destroy_process_group()
 
 
@@ -632,7 +720,7 @@ def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, token
     tmp, final = (os.path.join(ckpt.checkpoint_dir, f"{prefix}step_{step}") for prefix in ("tmp_", ""))
     dcp.save(trained_state(policy, optimizer), checkpoint_id=os.path.join(tmp, "policy"))
     if buckets is not None:
-        export_hf(buckets, policy, tokenizer, tmp, cfg)
+        export_hf(buckets, policy, tokenizer, os.path.join(tmp, "hf"), cfg)
     if cfg.grpo.partial_rollouts.enabled:
         save_carried(info["carried"], os.path.join(tmp, f"carried_rank{dist.get_rank()}.safetensors"))
     dist.barrier()  # every rank's files are written
@@ -1197,17 +1285,34 @@ def stop_all_ranks_on_failure():
         raise
     except BaseException as e:  # this rank alone: show where, and take the other ranks down with it
         exit_if_another_failed()  # if so, this rank's own error is only a broken collective
-        why = f"config error: {e}" if isinstance(e, ConfigError) else traceback.format_exc()
-        print(f"rank {dist.get_rank()} failed:\n{why}", file=sys.stderr, flush=True)
+        why = f"config error: {e}" if isinstance(e, ConfigError) else f"failed:\n{traceback.format_exc()}"
+        print(f"rank {dist.get_rank()} {why}", file=sys.stderr, flush=True)
         store.set(key, str(dist.get_rank()))
-        os._exit(1)
+        os._exit(2 if isinstance(e, ConfigError) else 1)
     finally:  # the watcher is joined before a normal exit, else the store's client aborts at exit
         done.set()
         watcher.join()
 
 
 STOP = threading.Event()  # set by SIGTERM/SIGINT once the loop runs
+PARTIAL: list[str] = []  # what a stop during start-up removes: an export's directories, before they are renamed
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # as rank 0 numbers it (a node counts its own)
+
+
+def on_stop_signals(handler: Callable) -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+
+
+def exit_now(signum, frame) -> None:
+    """SIGTERM/SIGINT before the loop runs (start-up, an export): nothing is there to save, so one line and exit at
+    once. No exception is raised, which vLLM's start-up or a destructor could print or swallow."""
+    for path in PARTIAL:
+        shutil.rmtree(path, ignore_errors=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"stopped by {signal.Signals(signum).name} before the first step, nothing saved", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 def request_stop(signum, frame) -> None:
@@ -1356,8 +1461,18 @@ def quiet_vllm(tied: bool) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-if __name__ == "__main__":  # python plumbing.py GPUSxGIB [--config FILE] [key=value ...]: the memory plan alone
-    gpus, device_gib = sys.argv[1].split("x")
-    cfg = exit_on_config_error(load_config, sys.argv[2:], int(gpus))
-    config = exit_on_config_error(load_model_files, cfg.policy.model_name, "policy.model_name", False)[1]
-    exit_on_config_error(check_memory, cfg, config, int(gpus), min(int(gpus), 8), float(device_gib), math.inf)
+def plan_command(argv: list[str]) -> None:
+    """`python plumbing.py GPUSxGIB [--config FILE] [key=value ...]`: the memory plan alone, without a GPU."""
+    m = re.fullmatch(r"([1-9]\d*)x(\d+\.?\d*)", argv[0] if argv else "")
+    if not m or float(m[2]) <= CONTEXT_GIB:
+        got = f"got '{argv[0]}'" if argv else "got nothing"
+        raise ConfigError(
+            f"usage: python plumbing.py GPUSxGIB [key=value ...]: the GPUs and each one's GiB (> {CONTEXT_GIB}), 8x79.1 say; {got}"
+        )
+    cfg = load_config(argv[1:], int(m[1]))
+    config = load_model_files(cfg.policy.model_name, "policy.model_name", False)[1]
+    check_memory(cfg, config, int(m[1]), min(int(m[1]), 8), float(m[2]), math.inf)
+
+
+if __name__ == "__main__":
+    exit_on_config_error(plan_command, sys.argv[1:])

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
 
 import grpo
 import plumbing
@@ -653,7 +654,7 @@ def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, mult
         + knobs
         + ["policy.generation.max_new_tokens=48", "policy.max_total_sequence_length=96", f"logger.log_dir={tmp_path}"]
     )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(plumbing.resolve_model_path(cfg))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(plumbing.resolve_model_path(cfg.policy.model_name))
     rows, _ = plumbing.tokenize_prompts(plumbing.load_datasets(cfg)[0], tokenizer, cfg)
     run = grpo.Run(
         cfg, tokenizer, rows, [], None, grpo.rewards([grpo.debug_reward], [1.0]), plumbing.Runner(None), None
@@ -709,7 +710,23 @@ def one_line_errors(tmp_path_factory) -> tuple:
         "gpu_unseen": TINY + [f"data.dataset_name={tmp}/nope.jsonl", log],  # with a stand-in nvidia-smi listing 2 GPUs
         "teacher_no_dir": TINY + [f"policy.frozen_models.teacher={tmp}/nope", log],
         "teacher_tokens": TINY + [f"policy.frozen_models.teacher={tmp}/other-tokens", log],
+        "teacher_is_policy": [
+            f"policy.model_name={tmp}/tied",
+            f"policy.frozen_models.teacher={tmp}/../{tmp.name}/tied",
+            log,
+        ],
+        "val_one_basename": TINY + [f"data.val_dataset_name=[{tmp}/a/letters.jsonl, {tmp}/b/letters.jsonl]", log],
+        "val_one_task_name": TINY + ["data.val_dataset_name=[examples.countdown:task, examples.arithmetic:task]", log],
+        "val_slash_name": TINY + [f"data.val_dataset_name={{hard/set two: {tmp}/a/letters.jsonl}}", log],
+        "val_number_map": TINY + ["data.val_dataset_name={a: 3}", log],
+        "val_number_list": TINY + ["data.val_dataset_name=[3]", log],
+        "val_empty_map": TINY + ["data.val_dataset_name={}", log],
+        "val_empty_list": TINY + ["data.val_dataset_name=[]", log],
+        "timeout_overflow": TINY + ["grpo.collective_timeout_s=100000000000000", log],
     }
+    for letters in ("a", "b"):  # two validation files of one base name
+        (tmp / letters).mkdir()
+        (tmp / letters / "letters.jsonl").write_text(json.dumps({"question": "Repeat the letter a.", "answer": "a"}))
     shutil.copytree(tmp / "tied", tmp / "other-tokens")  # tiny-debug's tokenizer and one token more
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp / "tied")
     tokenizer.add_tokens(["<think>"])
@@ -1064,6 +1081,53 @@ def test_a_frozen_model_missing_or_with_another_tokenizer_exits_with_one_line(on
     assert one_line(results["teacher_no_dir"]) == missing
     other = f"config error: policy.frozen_models.teacher: {tmp}/other-tokens's tokenizer is not the policy's"
     assert one_line(results["teacher_tokens"]) == other
+
+
+def test_the_policy_itself_as_a_frozen_model_exits_with_one_line(one_line_errors):
+    """The same directory by another path: refused, not loaded a second time (its frozen copy is the reference)."""
+    results, tmp = one_line_errors
+    assert one_line(results["teacher_is_policy"]) == (
+        "config error: policy.frozen_models.teacher: expected another model's directory or hub name than the "
+        f"policy's, got '{tmp}/../{tmp.name}/tied'"
+    )
+
+
+def test_validation_sets_that_would_lose_rows_or_escape_their_folder_exit_with_one_line(one_line_errors):
+    """Two files of one base name, two tasks of one function name, a name with a slash and a space (its file name
+    would leave the log folder, after a step's work), values that are no dataset, and empty lists: each refused at
+    start. Before: the first file's rows were never validated, the slash crashed the first validation, `{a: 3}` and
+    `[3]` were tracebacks, `[]` validated on the default set."""
+    results, tmp = one_line_errors
+    rule = "; a set is a dataset or {name: dataset}, a name of letters, digits, _ . -"
+    want = {
+        "val_one_basename": f"{tmp}/a/letters.jsonl and {tmp}/b/letters.jsonl are both named 'letters'",
+        "val_one_task_name": "examples.countdown:task and examples.arithmetic:task are both named 'task'",
+        "val_slash_name": f"got {{'hard/set two': '{tmp}/a/letters.jsonl'}}",
+        "val_number_map": "got {'a': 3}",
+        "val_number_list": "got 3",
+    }
+    for name, why in want.items():
+        assert one_line(results[name]) == f"config error: data.val_dataset_name: {why}{rule}", name
+    for name in ("val_empty_map", "val_empty_list"):
+        assert one_line(results[name]) == (
+            "config error: data.val_dataset_name is empty: name a set, or null for data.val_split"
+        )
+    named = {"val_dataset_name": {"hard": f"{tmp}/a/letters.jsonl", "set-2.b": f"{tmp}/b/letters.jsonl"}}
+    cfg = plumbing.load_config(TINY + [f"data.val_dataset_name={json.dumps(named['val_dataset_name'])}"])
+    assert list(plumbing.load_datasets(cfg)[1]) == ["hard", "set-2.b"]  # named apart, both validated
+    (tmp / "a" / "my letters.v2.jsonl").write_text((tmp / "a" / "letters.jsonl").read_text())
+    cfg = plumbing.load_config(TINY + [f"data.val_dataset_name=[{tmp}/a/my letters.v2.jsonl]"])
+    assert list(plumbing.load_datasets(cfg)[1]) == ["my_letters"]  # its base name as a word
+
+
+def test_a_collective_timeout_past_what_the_clock_holds_exits_with_one_line_and_1e9_is_a_number(one_line_errors):
+    """100000000000000 s was an OverflowError traceback; 1e9, which YAML 1.1 reads as text, was refused as a string."""
+    assert one_line(one_line_errors[0]["timeout_overflow"]) == (
+        "config error: grpo.collective_timeout_s must be in (0, 1000000000], got 100000000000000"
+    )
+    assert plumbing.load_config(["grpo.collective_timeout_s=1e9"]).grpo.collective_timeout_s == 10**9
+    with pytest.raises(plumbing.ConfigError, match="collective_timeout_s': expected int, got float"):
+        plumbing.load_config(["grpo.collective_timeout_s=1.5"])
 
 
 def test_lora_on_a_tied_head_exits_with_one_line(one_line_errors):
@@ -2190,6 +2254,60 @@ def test_beside_an_awake_engine_the_trainer_holds_at_most_what_it_must(tmp_path)
     assert ["load"] in events and f"resumed from {tmp_path / 'checkpoints' / 'step_3'}" in result.stdout
 
 
+@pytest.mark.slow
+def test_tiny_debug_is_a_frozen_models_name_and_one_the_config_lacks_fails_in_one_line(tmp_path):
+    """A policy from a directory with tiny-debug as its teacher trains a step. Code that reads a frozen model the
+    config does not name (a recipe's run.frozen["teacher"]) stops in one line naming the knob, exit 2 (before: a
+    KeyError traceback in step 1)."""
+    plumbing.build_tiny_debug(str(tmp_path / "policy"))
+    preset = yaml.safe_load(open(os.path.join(HERE, "config.yaml")))["tiny_debug_preset"]
+    (tmp_path / "preset.yaml").write_text(yaml.safe_dump(preset))
+    args = ["--config", str(tmp_path / "preset.yaml"), f"policy.model_name={tmp_path / 'policy'}"]
+    args += ["policy.frozen_models.teacher=tiny-debug", "grpo.max_num_steps=1", f"logger.log_dir={tmp_path}"]
+    result = run(["grpo.py", *args, "checkpointing.enabled=false", "grpo.val_at_end=false"])
+    assert result.returncode == 0 and "step 1/1 | reward" in result.stdout, result.stderr[-3000:]
+    assert one_line(run([__file__, "missing_frozen_model_worker"])) == (
+        "rank 0 config error: policy.frozen_models.teacher is not set, and the code reads it: "
+        "policy.frozen_models.teacher=PATH"
+    )
+
+
+def missing_frozen_model_worker():
+    """`python test_grpo.py missing_frozen_model_worker`: a step's code reads run.frozen["teacher"] with none named."""
+    plumbing.setup_distributed(60)
+    with plumbing.stop_all_ranks_on_failure():
+        grpo.Run(plumbing.load_config(TINY), None, [], {}, None, [], None, None).frozen["teacher"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment,signum", [("preflight", signal.SIGTERM), ("warm-up", signal.SIGINT)])
+def test_a_stop_signal_during_start_up_ends_the_run_in_one_line(tmp_path, moment, signum):
+    """SIGTERM while the data loads (a task function that takes its time) and Ctrl-C while vLLM compiles its first
+    generation: one line, exit 128 + the signal, nothing trained (before: a 60-line traceback, or once swallowed by a
+    destructor, after which the run trained all its steps)."""
+    (tmp_path / "slow_task.py").write_text(
+        "import time\nfrom plumbing import debug_task\n\n\n"
+        "def task(n, seed):\n    print('loading the task', flush=True)\n    time.sleep(3)\n    return debug_task(n, seed)\n"
+    )
+    args = TINY + ["data.dataset_name=slow_task:task", f"logger.log_dir={tmp_path}", "grpo.max_num_steps=2"]
+    cue = {"preflight": "loading the task", "warm-up": "warming up the engine"}[moment]
+    env = {**clean_env(), "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "grpo.py", *args], cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for line in proc.stdout:
+        if cue in line:
+            break
+    time.sleep(1)  # within the task's sleep, or vLLM's first generation
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum and err.splitlines() == [
+        f"stopped by {name} before the first step, nothing saved"
+    ], err[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists() and "step 1/2" not in out
+
+
 def test_a_teacher_as_a_per_token_reward_follows_the_gradient_of_its_reverse_kl(dist_world, tmp_path):
     """docs/per-token-terms.md's on-policy distillation, its lines run as written at the per-token term's place: completions the policy
     sampled, with equal rewards (group advantages 0). The update's gradient against beta x the gradient of the exact
@@ -2400,7 +2518,7 @@ def uneven_worker():
             TINY + options + ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"]
         )
         torch.manual_seed(0)
-        model = grpo.load_policy(plumbing.resolve_model_path(cfg), cfg, trainable=True)
+        model = grpo.load_policy(plumbing.resolve_model_path(cfg.policy.model_name), cfg, trainable=True)
         every = torch.arange(len(rows))
         plans = [
             len(list(grpo.plan_micro_batches(batch.input_ids, batch.token_mask, every, cfg, kind)))
@@ -2657,7 +2775,7 @@ def refit_worker():
     )
     plumbing.setup_distributed(600)
     rank = torch.distributed.get_rank()
-    path = plumbing.resolve_model_path(cfg)
+    path = plumbing.resolve_model_path(cfg.policy.model_name)
     if tied:
         path, tiny = f"{path}-tied-deep", path
         if rank == 0 and not os.path.isdir(path):
@@ -2786,13 +2904,13 @@ def precision_worker():
         + (["policy.lora.enabled=true"] if lora else [])
     )
     plumbing.setup_distributed(600)
-    path = plumbing.resolve_model_path(cfg) + "-bf16-grid"
+    path = plumbing.resolve_model_path(cfg.policy.model_name) + "-bf16-grid"
     if not os.path.isdir(path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(plumbing.resolve_model_path(cfg))
+        model = AutoModelForCausalLM.from_pretrained(plumbing.resolve_model_path(cfg.policy.model_name))
         model.to(torch.bfloat16).to(torch.float32).save_pretrained(path)
-        AutoTokenizer.from_pretrained(plumbing.resolve_model_path(cfg)).save_pretrained(path)
+        AutoTokenizer.from_pretrained(plumbing.resolve_model_path(cfg.policy.model_name)).save_pretrained(path)
     tokenizer, engine, policy, optimizer, rows = trainer_and_engine(path, cfg, 16, seed=0)
 
     def engine_weight():  # full fine-tuning: the embedding; LoRA: an adapted layer (merged in the engine)
@@ -2884,7 +3002,7 @@ def multiturn_worker():
     trainer's logprobs equal the engine's; and that an observation that does not fit is cut. Prints one JSON line."""
     cfg = plumbing.load_config(MULTITURN + ["policy.optimizer.lr=0.01"])
     plumbing.setup_distributed(600)
-    path = plumbing.resolve_model_path(cfg)
+    path = plumbing.resolve_model_path(cfg.policy.model_name)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -3033,7 +3151,7 @@ def router_bias_worker():
     sent = dict(pair for bucket in grpo.weight_buckets(policy, cfg) for pair in bucket)[name]
     engine.update_weights(grpo.weight_buckets(policy, cfg))
     held = engine.llm.apply_model(lambda model: model.get_parameter(name).tolist())[0]
-    plumbing.export_hf(grpo.weight_buckets(policy, cfg), policy, tokenizer, out, cfg)  # out/hf
+    plumbing.export_hf(grpo.weight_buckets(policy, cfg), policy, tokenizer, out + "/hf", cfg)
     exported = transformers.AutoModelForCausalLM.from_pretrained(out + "/hf").get_buffer(name).tolist()
     print(json.dumps({"sent": sent.tolist(), "dtype": str(sent.dtype), "engine": held, "export": exported}))
     engine.close()
@@ -3270,6 +3388,28 @@ def test_the_memory_plan_prints_without_a_gpu_or_weights(tmp_path):
         and refused.stderr.count("\n") == 1
         and "config error: memory plan: training" in refused.stderr
     )
+
+
+def test_the_memory_plans_command_takes_tiny_debug_and_says_what_it_expects_in_one_line():
+    """Each argument a user has typed ends in one line and exit 2 (before: ValueError, IndexError and
+    ZeroDivisionError tracebacks, and a plan "per GPU of -1.0 GiB"). tiny-debug is a model name here too, and a hub
+    name the machine cannot reach fails at once (before: 30 s of the hub client's retries)."""
+    usage = "config error: usage: python plumbing.py GPUSxGIB [key=value ...]: the GPUs and each one's GiB (> 3.0), "
+    bad = ["8x", "x80", "abc", "8X80", "8x80GB", "1.5x80", "0x80", "8x-1", "8x0", "8x2"]
+    commands = {arg: ["plumbing.py", arg] for arg in bad} | {"": ["plumbing.py"]}
+    commands |= {"tiny": ["plumbing.py", "8x80", "policy.model_name=tiny-debug"]}
+    env = {k: v for k, v in clean_env().items() if k != "HF_HUB_OFFLINE"}
+    start = time.perf_counter()  # alone, as it is timed
+    hub = run_together({"hub": ["plumbing.py", "8x80", "policy.model_name=nobody/no-such-model"]}, env)["hub"]
+    print(f"{time.perf_counter() - start:.1f} s: {one_line(hub)}")
+    assert one_line(hub).startswith("config error: policy.model_name: ")  # unreachable, or no such model
+    assert time.perf_counter() - start < 20
+    results = run_together(commands, env)
+    for arg in bad:
+        assert one_line(results[arg]) == usage + f"8x79.1 say; got '{arg}'", arg
+    assert one_line(results[""]) == usage + "8x79.1 say; got nothing"
+    tiny = results["tiny"]
+    assert tiny.returncode == 0 and tiny.stdout.startswith("memory plan per GPU of 80.0 GiB"), tiny.stderr[-2000:]
 
 
 def test_a_training_micro_batch_keeps_the_activations_of_docs_formula(dist_world, tmp_path):
@@ -3645,7 +3785,7 @@ def test_export_loads_in_transformers_and_matches_the_policy(one_rank_run, dist_
 
     checkpoint = one_rank_run[0] / "checkpoints" / "step_30"
     cfg = plumbing.load_config(TINY)
-    path = plumbing.resolve_model_path(cfg)
+    path = plumbing.resolve_model_path(cfg.policy.model_name)
     policy = grpo.load_policy(path, cfg, trainable=True)
     optimizer = grpo.make_optimizer(policy, cfg)
     info = plumbing.load_checkpoint(str(checkpoint), policy, optimizer, cfg, grpo.optimizer_step)
@@ -3693,6 +3833,94 @@ def test_any_checkpoint_exports_to_a_plain_hf_model_with_one_command(which, requ
         ]
     print(f"{which}: steps 10 and 30 exported, max |logit diff| between them {(logits[0] - logits[1]).abs().max():.3f}")
     assert (logits[0] - logits[1]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_an_export_goes_where_the_user_says_outlives_its_checkpoint_and_a_stop_leaves_the_old_one(
+    one_rank_run, tmp_path
+):
+    """`export CHECKPOINT OUT_DIR` prints where it wrote, its files readable by all as the rest (safetensors makes
+    them 0600), and the export loads after pruning removed its checkpoint. Ctrl-C during an export into a place that
+    holds one leaves that one as it was, and nothing beside it."""
+    checkpoints = tmp_path / "checkpoints"
+    for step in (10, 20, 30):
+        shutil.copytree(one_rank_run[0] / "checkpoints" / f"step_{step}", checkpoints / f"step_{step}")
+    out = tmp_path / "exports" / "step 10"  # a space in its name, in a folder not there yet
+    (tmp_path / "exports").mkdir()
+    result = run(["grpo.py", "export", str(checkpoints / "step_10"), str(out)])
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == (
+        f"exported {checkpoints / 'step_10'} to {out}"
+    ), result.stderr[-3000:]
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
+    assert set(modes.values()) == {oct(0o666 & ~current_umask())}, modes
+    cfg = plumbing.load_config(TINY + [f"checkpointing.checkpoint_dir={checkpoints}", "checkpointing.keep_top_k=1"])
+    plumbing.prune_checkpoints(cfg.checkpointing)  # validation rewards rank step 10 below another
+    assert not (checkpoints / "step_10").exists()
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+    # Ctrl-C as the export writes beside `out`: `out` keeps its files, and the new one is removed.
+    latest = str(checkpoints / "step_30")
+    proc = subprocess.Popen(
+        [sys.executable, "grpo.py", "export", latest, str(out)], cwd=HERE, env=clean_env(), stderr=subprocess.PIPE
+    )
+    while proc.poll() is None and not [f for f in os.listdir(out.parent) if ".tmp" in f]:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 130 and err.splitlines() == ["stopped by SIGINT before the first step, nothing saved"]
+    assert os.listdir(out.parent) == ["step 10"] and {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+def current_umask() -> int:
+    umask = os.umask(0o22)
+    os.umask(umask)
+    return umask
+
+
+@pytest.mark.slow
+def test_an_export_of_no_checkpoint_a_damaged_one_or_to_no_place_exits_with_one_line(one_rank_run, tmp_path):
+    """Each before a model loads (before: tracebacks of 12 to 68 lines, exit 1, one after the whole model loaded)."""
+    step = one_rank_run[0] / "checkpoints" / "step_20"
+    damaged = {}
+    for name, damage in {
+        "no_metadata": lambda c: (c / "policy" / ".metadata").unlink(),
+        "cut_metadata": lambda c: os.truncate(c / "policy" / ".metadata", 100),
+        "no_shard": lambda c: (c / "policy" / "__0_0.distcp").unlink(),
+        "cut_shard": lambda c: os.truncate(c / "policy" / "__0_0.distcp", 1000),
+    }.items():
+        damaged[name] = shutil.copytree(step, tmp_path / name, ignore=shutil.ignore_patterns("hf"))
+        damage(damaged[name])
+    (tmp_path / "a_file").write_text("")
+    commands = {
+        "usage": [],
+        "three": [str(step), "a", "b"],
+        "missing": [str(tmp_path / "nope")],
+        "not_a_checkpoint": [str(tmp_path)],
+        "out_is_a_file": [str(step), str(tmp_path / "a_file")],
+        "out_not_a_model": [str(step), str(tmp_path)],
+        "unwritable": [str(step), "/proc/grpo-export/hf"],
+    } | {name: [str(path)] for name, path in damaged.items()}
+    results = run_together({name: ["grpo.py", "export"] + args for name, args in commands.items()}, clean_env())
+    shard = "policy/__0_0.distcp is missing or cut short"
+    want = {
+        "usage": "usage: python grpo.py export CHECKPOINT [OUT_DIR]",
+        "three": "usage: python grpo.py export CHECKPOINT [OUT_DIR]",
+        "missing": f"export: no such checkpoint directory: {tmp_path / 'nope'}",
+        "not_a_checkpoint": f"export: {tmp_path} is not a checkpoint of grpo.py (no config.yaml)",
+        "out_is_a_file": f"export: {tmp_path / 'a_file'} is neither empty nor a model (no config.json): remove it or "
+        "give another OUT_DIR",
+        "out_not_a_model": f"export: {tmp_path} is neither empty nor a model (no config.json): remove it or give "
+        "another OUT_DIR",
+        "unwritable": "export: cannot write beside /proc/grpo-export/hf (No such file or directory)",
+        "no_metadata": f"export: {damaged['no_metadata']} is not a checkpoint of grpo.py (no policy/.metadata)",
+        "cut_metadata": f"export: {damaged['cut_metadata']}/policy/.metadata cannot be read (UnpicklingError: pickle "
+        "data was truncated)",
+        "no_shard": f"export: {damaged['no_shard']} is damaged: {damaged['no_shard']}/{shard}",
+        "cut_shard": f"export: {damaged['cut_shard']} is damaged: {damaged['cut_shard']}/{shard}",
+    }
+    for name, line in want.items():
+        assert one_line(results[name]) == f"config error: {line}", name
+    assert os.listdir(tmp_path / "cut_shard") == os.listdir(step)  # nothing written into a checkpoint that fails
 
 
 def export_vllm_worker():
@@ -4158,7 +4386,7 @@ def test_lora_learns_checkpoints_adapters_and_exports_both_ways(lora_run, dist_w
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(plumbing.resolve_model_path(plumbing.load_config(TINY)))
+    base = AutoModelForCausalLM.from_pretrained(plumbing.resolve_model_path("tiny-debug"))
     adapted = PeftModel.from_pretrained(base, str(step / "hf_adapter"))
     merged = AutoModelForCausalLM.from_pretrained(step / "hf")
     ids = torch.randint(5, 90, (2, 24), generator=torch.Generator().manual_seed(0))
