@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import transformers
 import yaml
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 from torch.distributed.checkpoint import state_dict as dcp_state
 
 
@@ -37,9 +37,7 @@ class FrozenModels(dict):
     """policy.frozen_models as {name: model}; a name the config does not set is a ConfigError at its first use."""
 
     def __missing__(self, name):
-        raise ConfigError(
-            f"policy.frozen_models.{name} is not set, and the code reads it: policy.frozen_models.{name}=PATH"
-        )
+        raise ConfigError(f"the code reads policy.frozen_models.{name}, which the config does not set")
 
 
 class Config(dict):
@@ -343,10 +341,8 @@ def load_model_files(path: str, key: str, tokenizer: bool = True) -> tuple[Any, 
     try:
         if not os.path.isdir(path) and not huggingface_hub.constants.HF_HUB_OFFLINE:
             socket.create_connection((hub.hostname, hub.port or 443), timeout=5).close()
-    except OSError as e:
-        raise ConfigError(
-            f"{key}: '{path}' is no directory nor a cached hub model, and {hub.hostname} is unreachable ({e})"
-        )
+    except OSError:
+        raise ConfigError(f"{key}: '{path}' is no directory or cached hub model, and {hub.hostname} is unreachable")
     try:  # a typo in a hub name, a gated model
         return load()
     except Exception as e:
@@ -450,18 +446,13 @@ def load_datasets(cfg: Config) -> tuple[list[dict], dict[str, list[dict]]]:
     sets = {}
     for item in d.val_dataset_name if d.val_dataset_name is not None else [d.dataset_name] * is_task(d.dataset_name):
         # A set's name goes into file names and metric names, so it is a plain word. A set named by its dataset takes
-        # the dataset's base name, its other characters as "_"; one that two sets would share is refused.
-        named = (
-            item
-            if isinstance(item, dict)
-            else {re.sub(r"\W", "_", re.split("[/:]", str(item))[-1].split(".")[0]): item}
-        )
-        for name, spec in named.items():
+        # the dataset's base name, its other characters as "_". A name that two sets would share is refused.
+        if not isinstance(item, dict):
+            item = {re.sub(r"\W", "_", re.split("[/:]", str(item))[-1].split(".")[0]): item}
+        for name, spec in item.items():
             if not isinstance(spec, str) or not re.fullmatch(r"\w[\w.-]*", str(name)) or name in sets:
-                why = f"{sets.get(name)} and {spec} are both named '{name}'" if name in sets else f"got {item!r}"
-                raise ConfigError(
-                    f"data.val_dataset_name: {why}; a set is a dataset or {{name: dataset}}, a name of letters, digits, _ . -"
-                )
+                why = f"{sets[name]} and {spec} both get" if name in sets else f"{spec!r} gets"
+                raise ConfigError(f"data.val_dataset_name: {why} the name '{name}' (names: letters, digits, _.-)")
             sets[name] = spec
     if d.val_dataset_name is not None and not sets:
         raise ConfigError("data.val_dataset_name is empty: name a set, or null for data.val_split")
@@ -470,10 +461,8 @@ def load_datasets(cfg: Config) -> tuple[list[dict], dict[str, list[dict]]]:
     elif is_local(d.dataset_name):  # a tenth held out (seeded, up to max_val_samples), never trained on
         order = np.random.default_rng(g.seed).permutation(len(train))
         held = set(order[: min(len(train) // 10, g.max_val_samples)].tolist())
-        val, train = (
-            {"held_out": [r for i, r in enumerate(train) if i in held]},
-            [r for i, r in enumerate(train) if i not in held],
-        )
+        val = {"held_out": [r for i, r in enumerate(train) if i in held]}
+        train = [r for i, r in enumerate(train) if i not in held]
     else:
         val = {d.val_split: load_rows(d.dataset_name, d.val_split, d, 0, g.seed)}
     return train, {key: rows[: g.max_val_samples] for key, rows in val.items()}
@@ -558,16 +547,8 @@ def parse_number(text: str) -> Optional[Fraction]:
 
 
 # Keys (and sections) that change the data order, the data or the model: a resume across a change is refused.
-RESUME_KEYS = [
-    "policy.model_name",
-    "policy.precision",
-    "grpo.seed",
-    "grpo.num_prompts_per_step",
-    "data.",
-    "policy.max_total_sequence_length",
-    "policy.generation.max_new_tokens",
-    "policy.lora.",
-]
+RESUME_KEYS = ["policy.model_name", "policy.precision", "grpo.seed", "grpo.num_prompts_per_step", "data."]
+RESUME_KEYS += ["policy.max_total_sequence_length", "policy.generation.max_new_tokens", "policy.lora."]
 
 
 def complete_checkpoints(checkpoint_dir: str) -> dict[int, str]:
@@ -609,11 +590,9 @@ def write_files(out_dir: str, files: dict) -> None:
         for name, content in files.items():
             if name.endswith(".safetensors"):
                 tensors = {key: t.contiguous() for key, t in content.items()}
-                save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
-                # safetensors makes its files private (0600); a server running as another user reads them as the rest.
-                umask = os.umask(0o22)
-                os.umask(umask)
-                os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
+                # Written as bytes (a bucket's size in host memory), so the umask applies as to every other file.
+                # safetensors' own writer makes the file private (0600), which a server of another user cannot read.
+                pathlib.Path(out_dir, name).write_bytes(save(tensors, metadata={"format": "pt"}))
             else:
                 with open(os.path.join(out_dir, name), "w") as f:
                     json.dump(content, f, indent=1)
@@ -661,8 +640,6 @@ def export_checkpoint(argv: list[str], load_policy: Callable, weight_buckets: Ca
     if not 1 <= len(argv) <= 2:
         raise ConfigError("usage: python grpo.py export CHECKPOINT [OUT_DIR]")
     path, out = argv[0], os.path.abspath(argv[1] if len(argv) == 2 else os.path.join(argv[0], "hf"))
-    if not os.path.isdir(path):
-        raise ConfigError(f"export: no such checkpoint directory: {path}")
     for name in ("config.yaml", "training_info.json", "policy/.metadata"):
         if not os.path.isfile(os.path.join(path, name)):
             raise ConfigError(f"export: {path} is not a checkpoint of grpo.py (no {name})")
@@ -682,9 +659,7 @@ def export_checkpoint(argv: list[str], load_policy: Callable, weight_buckets: Ca
     for place, marker in places.items():  # a place is replaced only where it is empty or holds a model already
         model = os.path.isfile(os.path.join(place, marker)) or os.path.isdir(place) and not os.listdir(place)
         if os.path.exists(place) and not model:
-            raise ConfigError(
-                f"export: {place} is neither empty nor a model (no {marker}): remove it or give another OUT_DIR"
-            )
+            raise ConfigError(f"export: {place} is neither empty nor a model: remove it or give another OUT_DIR")
     PARTIAL.extend([tmp, tmp + "_adapter"])  # a stop signal removes them
     try:
         os.makedirs(tmp)
@@ -1466,9 +1441,7 @@ def plan_command(argv: list[str]) -> None:
     m = re.fullmatch(r"([1-9]\d*)x(\d+\.?\d*)", argv[0] if argv else "")
     if not m or float(m[2]) <= CONTEXT_GIB:
         got = f"got '{argv[0]}'" if argv else "got nothing"
-        raise ConfigError(
-            f"usage: python plumbing.py GPUSxGIB [key=value ...]: the GPUs and each one's GiB (> {CONTEXT_GIB}), 8x79.1 say; {got}"
-        )
+        raise ConfigError(f"usage: python plumbing.py GPUSxGIB [key=value ...], GiB > {CONTEXT_GIB} (8x79.1); {got}")
     cfg = load_config(argv[1:], int(m[1]))
     config = load_model_files(cfg.policy.model_name, "policy.model_name", False)[1]
     check_memory(cfg, config, int(m[1]), min(int(m[1]), 8), float(m[2]), math.inf)
