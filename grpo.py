@@ -45,6 +45,7 @@ import transformers
 from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.varlen import varlen_attn
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -316,12 +317,17 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
         return torch.zeros(0, T, device=input_ids.device) + zero, torch.zeros(0, T, device=input_ids.device) + zero
     column = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T] each token's position in its sample
     shared = shared_prompt_lengths(input_ids, token_mask)  # [B] its prompt's length if shared, else 0
-    in_row = (column < sample_lengths(token_mask)[:, None]) & (column >= shared[:, None])  # [B, T] tokens in the row
+    sample = column < sample_lengths(token_mask)[:, None]  # [B, T] each sample's tokens, its prompt's included
+    in_row = sample & (column >= shared[:, None])  # [B, T] the tokens that take a place in the row
     owner = (torch.arange(B, device=column.device) * (shared == 0)).cummax(0).values  # [B] who writes its prompt
     place = in_row.view(-1).cumsum(0).view(B, T) - 1  # [B, T] each token's place in the row, where in_row
     place = torch.where(column < shared[:, None], place[owner], place)  # a shared prompt uses its owner's copy
-    start = place.gather(1, shared[:, None])[:, 0]  # [B] the place of each sample's first token of its own
-    spans = torch.stack([start[owner], start[owner] + shared, start, start + in_row.sum(1)], 1).tolist()  # [B, 4]
+    # What packed_attention reads in every layer, made once: each sample's tokens as places in the row, padded with 0
+    # after its end, where its own tokens sit, and the variable-length kernel's cumulative lengths of each sample's
+    # queries (its tokens in the row) and keys (its whole sample), with the longest query.
+    cumulative = lambda lengths: F.pad(lengths.cumsum(0), (1, 0)).int()  # noqa: E731
+    packing = (place * sample, in_row, place[sample], cumulative(in_row.sum(1)), cumulative(sample.sum(1)))
+    packing += (int(in_row.sum(1).max()),)
     rows, cols = (token_mask > 0).nonzero(as_tuple=True)  # the model's tokens, row-major
     row = input_ids[in_row][None]  # [1, N]
     # A hook stores the LM head's input and hands the head an empty slice, because the head runs below, by chunks.
@@ -333,7 +339,7 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
             input_ids=row,
             position_ids=column[in_row][None],
             attention_mask=torch.ones_like(row),  # all ones, so transformers makes no mask and no packed-sequence one
-            spans=spans,
+            packing=packing,
             logits_to_keep=place[rows, cols - 1],  # the logit that predicts each of the model's tokens
             use_cache=False,
         )
@@ -349,24 +355,29 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
     return out[..., 0], out[..., 1]
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, spans=None, **kwargs):
-    """The policy's attention (ATTENTION) over a packed row. It maps query [1, heads, N, d], key and value [1, kv heads,
-    N, d] to [1, N, heads, d]. One causal SDPA call per sample covers its prompt's copy and its own tokens, so no [N, N]
-    mask exists. A prompt's queries are recomputed in each sample sharing it, and dropped. Without `spans`, sdpa."""
-    if spans is None:
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packing=None, **kwargs):
+    """The policy's attention (ATTENTION) over a packed row, one call a layer. It maps query [1, heads, N, d], key and
+    value [1, kv heads, N, d] to [1, N, heads, d]. Each sample attends causally to its prompt's copy and its own tokens,
+    and no [N, N] mask exists. `packing` is what policy_logprobs made for the row. Without it, this is sdpa."""
+    if packing is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if query.is_cuda and query.dtype == torch.float32:  # flash, the one CUDA kernel that takes GQA, takes no fp32
-        key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], 1) for x in (key, value))
-    outputs = []
-    for prompt_start, prompt_end, start, end in spans:
-        q, k, v = (torch.cat([x[:, :, prompt_start:prompt_end], x[:, :, start:end]], 2) for x in (query, key, value))
-        gqa = k.shape[1] != q.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-        outputs.append(out[:, :, prompt_end - prompt_start :])  # the owner's call computed the prompt's outputs
-    return torch.cat(outputs, 2).transpose(1, 2), None
+    padded, in_row, keys, cu_q, cu_k, max_q = packing  # [B, T], [B, T], [Tk], [B + 1], [B + 1], an int
+    gqa = key.shape[1] != query.shape[1]
+    if query.is_cuda and query.dtype != torch.float32:  # FlashAttention's kernel for variable lengths
+        # A sample's queries are its tokens in the row, its keys its whole sample. The causal mask aligns the last query
+        # with the last key, so a sample that shares its prompt sees the prompt's copy before its own tokens.
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d], [N, kv heads, d] twice
+        causal = dict(window_size=(-1, 0), scale=scaling, enable_gqa=gqa)
+        out = varlen_attn(q, k[keys], v[keys], cu_q, cu_k, max_q, padded.shape[1], **causal)
+        return out[None], None  # [1, N, heads, d]
+    # Elsewhere each sample is a row of a padded batch, its prompt's queries computed again. Padding comes after a
+    # sample's tokens, so causal attention never lets a token see it.
+    q, k, v = (x[0][:, padded].transpose(0, 1) for x in (query, key, value))  # [B, heads, T, d], kv heads for k and v
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2)[in_row][None], None  # the tokens with a place in the row, in its order
 
 
-ATTENTION = "grpo_packed"  # the policy's attention, transformers' sdpa run sample by sample in a row
+ATTENTION = "grpo_packed"  # the policy's attention: packed_attention in a packed row, else transformers' sdpa
 transformers.AttentionInterface.register(ATTENTION, packed_attention)
 transformers.AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 

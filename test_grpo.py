@@ -3466,6 +3466,57 @@ def test_gpu_a_16k_token_micro_batch_attends_by_a_kernel_that_skips_and_fits_the
     assert torch.isfinite(lp).all() and peak <= 1.1 * formula
 
 
+@pytest.mark.gpu
+def test_gpu_one_variable_length_call_a_layer_matches_the_padded_twin_and_builds_no_graph_per_length(
+    dist_world, tmp_path
+):
+    """At bf16 on CUDA, packed_attention makes one FlashAttention variable-length call a layer. Over 100 micro-batches
+    of distinct lengths the profiler sees 2 flash forwards each (2 layers) and no cuDNN kernel, which would build a
+    graph per new length (40-70 ms each). The logprobs match the padded twin that CPUs run, here at fp32 on the GPU,
+    within bf16's error, and the gradient's direction too."""
+    needs_gpus(0, vllm=False)
+    config, cfg, model = random_llama(tmp_path, 256, 2, 4096)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, 32000, (64,), generator=g).tolist()
+    batches = []
+    for length in range(20, 120):  # 4 samples of one prompt, a group, then one of its own
+        ids = [torch.randint(10, 32000, (length + k,), generator=g).tolist() for k in range(5)]
+        samples = [
+            grpo.Sample("", prompt if k < 4 else prompt[:50], c, [0.0] * len(c), [1] * len(c))
+            for k, c in enumerate(ids)
+        ]
+        batches.append([t.cuda() for t in grpo.pack_batch(samples, 0)[:2]])
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for ids, mask in batches:
+            lp, entropy = grpo.policy_logprobs(model, ids, mask, cfg)
+            (lp.sum() + entropy.sum()).backward()
+    names = [e.name for e in prof.events()]
+    print(
+        f"{torch.cuda.get_device_name()}: {names.count('aten::_flash_attention_forward')} flash forwards, kernels "
+        f"with cudnn in their name: {sorted({n for n in names if 'cudnn' in n.lower()})}"
+    )
+    assert names.count("aten::_flash_attention_forward") == 2 * len(batches)
+    assert not [n for n in names if "cudnn" in n.lower()]
+    ids, mask = batches[-1]
+    model.zero_grad(set_to_none=True)
+    runs = {}
+    for precision in ("bfloat16", "float32"):  # fp32 on CUDA takes the padded twin (flash takes no fp32)
+        twin = grpo.load_policy(
+            str(tmp_path / "llama"),
+            plumbing.Config(cfg, policy=plumbing.Config(cfg.policy, precision=precision)),
+            trainable=True,
+        )
+        lp, _ = grpo.policy_logprobs(twin, ids, mask, cfg)
+        (lp * mask).sum().backward()
+        runs[precision] = lp.detach(), torch.cat([p.grad.full_tensor().flatten().float() for p in twin.parameters()])
+    diff = (runs["bfloat16"][0] - runs["float32"][0]).abs().max().item()
+    cosine = torch.nn.functional.cosine_similarity(runs["bfloat16"][1], runs["float32"][1], dim=0).item()
+    print(f"varlen at bf16 vs the padded twin at fp32: max |logprob diff| {diff:.3f}, gradient cosine {cosine:.4f}")
+    assert diff < 0.1 and cosine > 0.98
+
+
 GPU_JOB = TINY + ["policy.precision=bfloat16", "grpo.val_period=2", "checkpointing.save_period=2"]
 
 

@@ -1,10 +1,12 @@
-"""One training micro-batch of long completions: the forward + backward the loop runs (grpo.policy_logprobs on the
-FSDP2 policy, a loss over each token's logprob and entropy) against the per-sample causal floor (each sample alone
-through plain transformers with causal SDPA, its own fp32 log-softmax), for a 2-layer Llama of hidden size 256,
-4 heads of 64, MLP 1024, a 32k vocabulary, fp32. Each figure comes from a process of its own: the time of one
-forward + backward after a warm-up, and the process's peak resident memory (ru_maxrss) against its size before.
+"""One training micro-batch: the forward + backward the loop runs (grpo.policy_logprobs on the FSDP2 policy, the
+default loss, which reads each token's logprob, and the entropy as a metric) against the floor, the leanest way to the
+same numbers: each sample alone through plain transformers with causal SDPA, logits for its completion tokens only,
+its own fp32 log-softmax, the loss on the logprobs and the entropy computed without gradient. The model is a 2-layer
+Llama of hidden size 256, 4 heads of 64, MLP 1024 and a 32k vocabulary, in fp32. Each figure comes from a process of
+its own: the time of one forward + backward after a warm-up, and the process's peak resident memory (ru_maxrss)
+against its size before.
 
-    python bench/long_completions.py [threads] [points] [key=value ...]   # 1 8x1024,4x4096,1x16384 by default
+    python bench/long_completions.py [threads] [points] [key=value ...]   # 1 64x128,32x256,8x1024,4x4096,1x16384
 
 A point BxC is B samples of C completion tokens after one 128-token prompt they share (docs/speed.md). Extra
 key=value arguments go to grpo.py's config (policy.logprob_chunk_size=512, for example).
@@ -36,7 +38,7 @@ def one(model_dir: str, mode: str, point: str, *overrides: str) -> dict:
     ids = [torch.randint(10, 32000, (completion,), generator=g).tolist() for _ in range(n)]
     samples = [grpo.Sample("", prompt, c, [0.0] * completion, [1] * completion) for c in ids]
     input_ids, token_mask, _ = grpo.pack_batch(samples, 0)  # [n, 128 + completion]
-    weights = torch.randn(input_ids.shape, generator=g)  # the loss: sum of weighted logprobs and entropies
+    weights = torch.randn(input_ids.shape, generator=g)  # the loss: a weighted sum of the logprobs
     if mode == "grpo":
         plumbing.setup_distributed(600)
         cfg = plumbing.load_config([f"policy.model_name={model_dir}", "policy.precision=float32", *overrides])
@@ -44,20 +46,24 @@ def one(model_dir: str, mode: str, point: str, *overrides: str) -> dict:
 
         def step(input_ids, token_mask, weights):
             lp, entropy = grpo.policy_logprobs(model, input_ids, token_mask, cfg)
-            ((lp + 0.01 * entropy) * weights).sum().backward()
+            (lp * weights).sum().backward()
+            return entropy.detach().sum()  # a metric
 
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model.config._attn_implementation = "sdpa"
 
         def step(input_ids, token_mask, weights):
+            metric = 0.0
             for i in range(len(input_ids)):  # one sample at a time, each with its prompt
                 keep = input_ids.shape[1] - PROMPT + 1
                 logits = model(input_ids=input_ids[i : i + 1], logits_to_keep=keep).logits[0, :-1]
                 logp = torch.log_softmax(logits.float(), -1)  # [completion, V]
                 lp = logp.gather(1, input_ids[i, PROMPT:, None])[:, 0]
-                entropy = -(logp.exp() * logp).sum(-1)
-                ((lp + 0.01 * entropy) * weights[i, PROMPT:]).sum().backward()
+                with torch.no_grad():  # a metric
+                    metric += -(logp.exp() * logp).sum()
+                (lp * weights[i, PROMPT:]).sum().backward()
+            return metric
 
     step(input_ids[:1, : PROMPT + 16], token_mask[:1, : PROMPT + 16], weights[:1, : PROMPT + 16])  # warm-up
     model.zero_grad(set_to_none=True)
@@ -70,7 +76,7 @@ def one(model_dir: str, mode: str, point: str, *overrides: str) -> dict:
 
 def main() -> None:
     threads = sys.argv[1] if len(sys.argv) > 1 else "1"
-    points = (sys.argv[2] if len(sys.argv) > 2 else "8x1024,4x4096,1x16384").split(",")
+    points = (sys.argv[2] if len(sys.argv) > 2 else "64x128,32x256,8x1024,4x4096,1x16384").split(",")
     overrides = sys.argv[3:]
     with tempfile.TemporaryDirectory() as model_dir:
         config = transformers.LlamaConfig(**SHAPE, max_position_embeddings=PROMPT + 16384, tie_word_embeddings=False)
