@@ -362,17 +362,19 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if packing is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     padded, in_row, keys, cu_q, cu_k, max_q = packing  # [B, T], [B, T], [Tk], [B + 1], [B + 1], an int
-    gqa = key.shape[1] != query.shape[1]
     if query.is_cuda and query.dtype != torch.float32:  # FlashAttention's kernel for variable lengths
         # A sample's queries are its tokens in the row, its keys its whole sample. The causal mask aligns the last query
         # with the last key, so a sample that shares its prompt sees the prompt's copy before its own tokens.
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d], [N, kv heads, d] twice
-        causal = dict(window_size=(-1, 0), scale=scaling, enable_gqa=gqa)
+        causal = dict(window_size=(-1, 0), scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
         out = varlen_attn(q, k[keys], v[keys], cu_q, cu_k, max_q, padded.shape[1], **causal)
         return out[None], None  # [1, N, heads, d]
     # Elsewhere each sample is a row of a padded batch, its prompt's queries computed again. Padding comes after a
     # sample's tokens, so causal attention never lets a token see it.
+    if query.is_cuda:  # fp32 goes to the memory-efficient kernel, which takes no grouped KV heads (math keeps [T, T])
+        key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], 1) for x in (key, value))
     q, k, v = (x[0][:, padded].transpose(0, 1) for x in (query, key, value))  # [B, heads, T, d], kv heads for k and v
+    gqa = k.shape[1] != q.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2)[in_row][None], None  # the tokens with a place in the row, in its order
 
@@ -1217,7 +1219,8 @@ def setup(cfg: plumbing.Config) -> Run:
         torch.use_deterministic_algorithms(False)
         plumbing.check_refit(engine, train_rows[:4], None if resume_from else before)
     plumbing.print0(summary)
-    plumbing.on_stop_signals(plumbing.request_stop)  # from here on a signal stops the run at the end of a step
+    for signum in (signal.SIGTERM, signal.SIGINT):  # from here on a signal stops the run at the end of a step
+        signal.signal(signum, plumbing.request_stop)
     return run
 
 
@@ -1237,7 +1240,8 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
 
 
 def main(argv: list[str]) -> None:
-    plumbing.on_stop_signals(plumbing.exit_now)  # until the loop runs, a signal exits at once in one line
+    for signum in (signal.SIGTERM, signal.SIGINT):  # until the loop runs, a signal exits at once in one line
+        signal.signal(signum, plumbing.exit_now)
     if argv[:1] == ["export"]:  # any checkpoint as a plain Hugging Face model (docs/checkpoints.md)
         return plumbing.exit_on_config_error(plumbing.export_checkpoint, argv[1:], load_policy, weight_buckets)
     cfg = plumbing.exit_on_config_error(plumbing.load_config, argv, int(os.environ.get("WORLD_SIZE", "1")))

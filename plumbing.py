@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio, atexit, contextlib, datetime, difflib, functools, glob, importlib, inspect, json, logging, math, multiprocessing
 import multiprocessing.connection, numbers, os, pathlib, re, select, shutil, signal, socket, subprocess, sys, tempfile
-import threading, time, traceback, urllib.parse, warnings
+import threading, time, traceback, urllib.parse, urllib.request, warnings
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
@@ -336,11 +336,12 @@ def load_model_files(path: str, key: str, tokenizer: bool = True) -> tuple[Any, 
     )
     with contextlib.suppress(Exception):  # a directory or a model in the hub's cache, without the network
         return load(local_files_only=True)
-    # The hub's client retries an unreachable host for 30 s, so one short connection decides first.
+    # The hub's client retries an unreachable host for 30 s, so one short connection decides first. Behind a proxy,
+    # the host is reached through it, so only the client can tell.
     hub = urllib.parse.urlparse(huggingface_hub.constants.ENDPOINT)
     try:
-        if not os.path.isdir(path) and not huggingface_hub.constants.HF_HUB_OFFLINE:
-            socket.create_connection((hub.hostname, hub.port or 443), timeout=5).close()
+        if not (os.path.isdir(path) or huggingface_hub.constants.HF_HUB_OFFLINE or urllib.request.getproxies()):
+            socket.create_connection((hub.hostname, hub.port or {"http": 80}.get(hub.scheme, 443)), timeout=5).close()
     except OSError:
         raise ConfigError(f"{key}: '{path}' is no directory or cached hub model, and {hub.hostname} is unreachable")
     try:  # a typo in a hub name, a gated model
@@ -448,7 +449,7 @@ def load_datasets(cfg: Config) -> tuple[list[dict], dict[str, list[dict]]]:
         # A set's name goes into file names and metric names, so it is a plain word. A set named by its dataset takes
         # the dataset's base name, its other characters as "_". A name that two sets would share is refused.
         if not isinstance(item, dict):
-            item = {re.sub(r"\W", "_", re.split("[/:]", str(item))[-1].split(".")[0]): item}
+            item = {re.sub(r"[^\w-]", "_", re.split("[/:]", str(item))[-1].split(".")[0]): item}
         for name, spec in item.items():
             if not isinstance(spec, str) or not re.fullmatch(r"\w[\w.-]*", str(name)) or name in sets:
                 why = f"{sets[name]} and {spec} both get" if name in sets else f"{spec!r} gets"
@@ -636,9 +637,10 @@ def export_checkpoint(argv: list[str], load_policy: Callable, weight_buckets: Ca
     """`python grpo.py export CHECKPOINT [OUT_DIR]`: its weights as the last step exports them, a plain Hugging Face
     model in OUT_DIR (by default CHECKPOINT/hf, which goes when pruning removes its checkpoint), without the optimizer's
     state. With LoRA its adapters go to OUT_DIR_adapter too. Each is written beside its place and renamed into it, so a
-    stop leaves what was there before."""
-    if not 1 <= len(argv) <= 2:
-        raise ConfigError("usage: python grpo.py export CHECKPOINT [OUT_DIR]")
+    stop leaves what was there before. An earlier export in the checkpoint is replaced; elsewhere nothing of the user's
+    is: an OUT_DIR must be new or empty. Under torchrun every rank would rename, so it is one process."""
+    if not 1 <= len(argv) <= 2 or os.environ.get("WORLD_SIZE", "1") != "1":
+        raise ConfigError("usage: python grpo.py export CHECKPOINT [OUT_DIR], as one process (not under torchrun)")
     path, out = argv[0], os.path.abspath(argv[1] if len(argv) == 2 else os.path.join(argv[0], "hf"))
     for name in ("config.yaml", "training_info.json", "policy/.metadata"):
         if not os.path.isfile(os.path.join(path, name)):
@@ -654,24 +656,24 @@ def export_checkpoint(argv: list[str], load_policy: Callable, weight_buckets: Ca
     known = flatten(read_yaml(CONFIG_YAML))  # an older grpo.py's knobs that are gone are left out
     saved = {k: v for k, v in flatten(read_yaml(os.path.join(path, "config.yaml"))).items() if k in known}
     cfg = load_config([f"{k}={json.dumps(v)}" for k, v in saved.items()])
+    tokenizer, _ = load_model_files(cfg.policy.model_name, "policy.model_name")  # before anything is written
     tmp = f"{out}.tmp{os.getpid()}"  # export_hf writes the model here, and LoRA's adapters to tmp_adapter
-    places = {out: "config.json"} | ({out + "_adapter": "adapter_config.json"} if cfg.policy.lora.enabled else {})
-    for place, marker in places.items():  # a place is replaced only where it is empty or holds a model already
-        model = os.path.isfile(os.path.join(place, marker)) or os.path.isdir(place) and not os.listdir(place)
-        if os.path.exists(place) and not model:
-            raise ConfigError(f"export: {place} is neither empty nor a model: remove it or give another OUT_DIR")
+    places = [out] + [out + "_adapter"] * cfg.policy.lora.enabled
+    for place in places:
+        if os.path.exists(place) and not (os.path.isdir(place) and (len(argv) == 1 or not os.listdir(place))):
+            raise ConfigError(f"export: {place} is there and not an empty folder: remove it or give another OUT_DIR")
     PARTIAL.extend([tmp, tmp + "_adapter"])  # a stop signal removes them
     try:
         os.makedirs(tmp)
     except OSError as e:
         raise ConfigError(f"export: cannot write beside {out} ({e.strerror or e})")
     setup_distributed(cfg.grpo.collective_timeout_s)
-    tokenizer, _ = load_model_files(cfg.policy.model_name, "policy.model_name")
     policy = load_policy(resolve_model_path(cfg.policy.model_name), cfg, trainable=True)
     state = trained_state(policy, [])  # the model's, without an optimizer
     dcp.load(state, checkpoint_id=os.path.join(path, "policy"))
     dcp_state.set_model_state_dict(policy, state["model"], options=dcp_state.StateDictOptions(strict=False))
     export_hf(weight_buckets(policy, cfg), policy, tokenizer, tmp, cfg)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # the swap is not stopped halfway
     for place in places:  # the old export goes aside, the new one into its place, and the old one is removed
         old = f"{place}.old{os.getpid()}"
         if os.path.exists(place):
@@ -1274,19 +1276,13 @@ PARTIAL: list[str] = []  # what a stop during start-up removes: an export's dire
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # as rank 0 numbers it (a node counts its own)
 
 
-def on_stop_signals(handler: Callable) -> None:
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, handler)
-
-
 def exit_now(signum, frame) -> None:
     """SIGTERM/SIGINT before the loop runs (start-up, an export): nothing is there to save, so one line and exit at
     once. No exception is raised, which vLLM's start-up or a destructor could print or swallow."""
     for path in PARTIAL:
         shutil.rmtree(path, ignore_errors=True)
-    if os.environ.get("RANK", "0") == "0":
-        print(f"stopped by {signal.Signals(signum).name} before the first step, nothing saved", file=sys.stderr)
-    sys.stderr.flush()
+    sys.stdout.flush()  # what was printed before, as os._exit flushes nothing
+    print0(f"stopped by {signal.Signals(signum).name} before anything was saved", file=sys.stderr)
     os._exit(128 + signum)
 
 
@@ -1440,8 +1436,7 @@ def plan_command(argv: list[str]) -> None:
     """`python plumbing.py GPUSxGIB [--config FILE] [key=value ...]`: the memory plan alone, without a GPU."""
     m = re.fullmatch(r"([1-9]\d*)x(\d+\.?\d*)", argv[0] if argv else "")
     if not m or float(m[2]) <= CONTEXT_GIB:
-        got = f"got '{argv[0]}'" if argv else "got nothing"
-        raise ConfigError(f"usage: python plumbing.py GPUSxGIB [key=value ...], GiB > {CONTEXT_GIB} (8x79.1); {got}")
+        raise ConfigError(f"usage: python plumbing.py GPUSxGIB [key=value ...], 8x79.1 say (GiB > {CONTEXT_GIB})")
     cfg = load_config(argv[1:], int(m[1]))
     config = load_model_files(cfg.policy.model_name, "policy.model_name", False)[1]
     check_memory(cfg, config, int(m[1]), min(int(m[1]), 8), float(m[2]), math.inf)

@@ -2301,9 +2301,9 @@ def test_a_stop_signal_during_start_up_ends_the_run_in_one_line(tmp_path, moment
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     name = signal.Signals(signum).name
-    assert proc.returncode == 128 + signum and err.splitlines() == [
-        f"stopped by {name} before the first step, nothing saved"
-    ], err[-3000:]
+    assert proc.returncode == 128 + signum and err.splitlines() == [f"stopped by {name} before anything was saved"], (
+        err[-3000:]
+    )
     assert not (tmp_path / "metrics.jsonl").exists() and "step 1/2" not in out
 
 
@@ -3393,7 +3393,7 @@ def test_the_memory_plans_command_takes_tiny_debug_and_says_what_it_expects_in_o
     """Each argument a user has typed ends in one line and exit 2 (before: ValueError, IndexError and
     ZeroDivisionError tracebacks, and a plan "per GPU of -1.0 GiB"). tiny-debug is a model name here too, and a hub
     name the machine cannot reach fails at once (before: 30 s of the hub client's retries)."""
-    usage = "config error: usage: python plumbing.py GPUSxGIB [key=value ...], GiB > 3.0 (8x79.1); "
+    usage = "config error: usage: python plumbing.py GPUSxGIB [key=value ...], 8x79.1 say (GiB > 3.0)"
     bad = ["8x", "x80", "abc", "8X80", "8x80GB", "1.5x80", "0x80", "8x-1", "8x0", "8x2"]
     commands = {arg: ["plumbing.py", arg] for arg in bad} | {"": ["plumbing.py"]}
     commands |= {"tiny": ["plumbing.py", "8x80", "policy.model_name=tiny-debug"]}
@@ -3405,8 +3405,8 @@ def test_the_memory_plans_command_takes_tiny_debug_and_says_what_it_expects_in_o
     assert time.perf_counter() - start < 20
     results = run_together(commands, env)
     for arg in bad:
-        assert one_line(results[arg]) == usage + f"got '{arg}'", arg
-    assert one_line(results[""]) == usage + "got nothing"
+        assert one_line(results[arg]) == usage, arg
+    assert one_line(results[""]) == usage
     tiny = results["tiny"]
     assert tiny.returncode == 0 and tiny.stdout.startswith("memory plan per GPU of 80.0 GiB"), tiny.stderr[-2000:]
 
@@ -3890,8 +3890,8 @@ def test_an_export_goes_where_the_user_says_outlives_its_checkpoint_and_a_stop_l
     one_rank_run, tmp_path
 ):
     """`export CHECKPOINT OUT_DIR` prints where it wrote, its files readable by all as the rest (safetensors makes
-    them 0600), and the export loads after pruning removed its checkpoint. Ctrl-C during an export into a place that
-    holds one leaves that one as it was, and nothing beside it."""
+    them 0600), and the export loads after pruning removed its checkpoint. Ctrl-C during an export into the checkpoint's
+    own hf/, which holds an earlier one, leaves that one as it was, and nothing beside it."""
     checkpoints = tmp_path / "checkpoints"
     for step in (10, 20, 30):
         shutil.copytree(one_rank_run[0] / "checkpoints" / f"step_{step}", checkpoints / f"step_{step}")
@@ -3906,19 +3906,20 @@ def test_an_export_goes_where_the_user_says_outlives_its_checkpoint_and_a_stop_l
     cfg = plumbing.load_config(TINY + [f"checkpointing.checkpoint_dir={checkpoints}", "checkpointing.keep_top_k=1"])
     plumbing.prune_checkpoints(cfg.checkpointing)  # validation rewards rank step 10 below another
     assert not (checkpoints / "step_10").exists()
-    before = {f.name: f.read_bytes() for f in out.iterdir()}
     transformers.AutoModelForCausalLM.from_pretrained(out)
-    # Ctrl-C as the export writes beside `out`: `out` keeps its files, and the new one is removed.
-    latest = str(checkpoints / "step_30")
+    # Ctrl-C as the export writes beside step 30's hf/: hf/ keeps its files, and the new one is removed.
+    latest = checkpoints / "step_30"
+    before = {f.name: f.read_bytes() for f in (latest / "hf").iterdir()}
     proc = subprocess.Popen(
-        [sys.executable, "grpo.py", "export", latest, str(out)], cwd=HERE, env=clean_env(), stderr=subprocess.PIPE
+        [sys.executable, "grpo.py", "export", str(latest)], cwd=HERE, env=clean_env(), stderr=subprocess.PIPE
     )
-    while proc.poll() is None and not [f for f in os.listdir(out.parent) if ".tmp" in f]:
+    while proc.poll() is None and not [f for f in os.listdir(latest) if ".tmp" in f]:
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=60)[1].decode()
-    assert proc.returncode == 130 and err.splitlines() == ["stopped by SIGINT before the first step, nothing saved"]
-    assert os.listdir(out.parent) == ["step 10"] and {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert proc.returncode == 130 and err.splitlines() == ["stopped by SIGINT before anything was saved"]
+    assert not [f for f in os.listdir(latest) if ".tmp" in f]
+    assert {f.name: f.read_bytes() for f in (latest / "hf").iterdir()} == before
 
 
 def current_umask() -> int:
@@ -3949,21 +3950,23 @@ def test_an_export_of_no_checkpoint_a_damaged_one_or_to_no_place_exits_with_one_
         "missing": [str(tmp_path / "nope")],
         "not_a_checkpoint": [str(tmp_path)],
         "out_is_a_file": [str(step), str(tmp_path / "a_file")],
-        "out_not_a_model": [str(step), str(tmp_path)],
+        "out_not_empty": [str(step), str(tmp_path)],
+        "out_a_model": [str(step), str(one_rank_run[0] / "checkpoints" / "step_30" / "hf")],  # a model folder
         "unwritable": [str(step), "/proc/grpo-export/hf"],
     } | {name: [str(path)] for name, path in damaged.items()}
     results = run_together({name: ["grpo.py", "export"] + args for name, args in commands.items()}, clean_env())
     shard = "policy/__0_0.distcp is missing or cut short"
+    refused = "is there and not an empty folder: remove it or give another OUT_DIR"
     want = {
-        "usage": "usage: python grpo.py export CHECKPOINT [OUT_DIR]",
-        "three": "usage: python grpo.py export CHECKPOINT [OUT_DIR]",
+        "usage": "usage: python grpo.py export CHECKPOINT [OUT_DIR], as one process (not under torchrun)",
+        "three": "usage: python grpo.py export CHECKPOINT [OUT_DIR], as one process (not under torchrun)",
         "missing": f"export: {tmp_path / 'nope'} is not a checkpoint of grpo.py (no config.yaml)",
         "not_a_checkpoint": f"export: {tmp_path} is not a checkpoint of grpo.py (no config.yaml)",
-        "out_is_a_file": f"export: {tmp_path / 'a_file'} is neither empty nor a model: remove it or give another OUT_DIR",
-        "out_not_a_model": f"export: {tmp_path} is neither empty nor a model: remove it or give another OUT_DIR",
+        "out_is_a_file": f"export: {tmp_path / 'a_file'} {refused}",
+        "out_not_empty": f"export: {tmp_path} {refused}",
+        "out_a_model": f"export: {one_rank_run[0] / 'checkpoints' / 'step_30' / 'hf'} {refused}",
         "unwritable": "export: cannot write beside /proc/grpo-export/hf (No such file or directory)",
-        "hf_is_a_file": f"export: {damaged['hf_is_a_file'] / 'hf'} is neither empty nor a model: remove it or give "
-        "another OUT_DIR",
+        "hf_is_a_file": f"export: {damaged['hf_is_a_file'] / 'hf'} {refused}",
         "no_metadata": f"export: {damaged['no_metadata']} is not a checkpoint of grpo.py (no policy/.metadata)",
         "cut_metadata": f"export: {damaged['cut_metadata']}/policy/.metadata cannot be read (UnpicklingError: pickle "
         "data was truncated)",
