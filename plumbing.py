@@ -101,10 +101,11 @@ def check_knob(key: str, value, default):
 
 
 def within(value, condition: str) -> bool:
-    """A rule's condition: `> a`, `>= a`, `in [a, b)` (brackets as in maths) or the allowed values `x, y or z`."""
+    """A rule's condition: `> a`, `>= a`, `in [a, b)` (brackets as in maths) or the allowed values `x, y or z`. A bound
+    from below is a finite number's: inf, which YAML reads as a float, is no learning rate or coefficient."""
     bounds = [float(x) for x in re.findall(r"-?\d+\.?\d*", condition)]
     if condition.startswith(">"):
-        return value > bounds[0] or (condition.startswith(">=") and value == bounds[0])
+        return math.isfinite(value) and (value > bounds[0] or (condition.startswith(">=") and value == bounds[0]))
     if condition.startswith("in "):
         low, high = bounds
         return low < value < high or value == low and "[" in condition or value == high and "]" in condition

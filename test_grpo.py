@@ -494,6 +494,9 @@ def test_config_errors_in_process():
         plumbing.load_config(["--fast"])
     with pytest.raises(plumbing.ConfigError, match=r"loss_fn.ratio_clip_min must be in \[0, 1\), got -0.5"):
         plumbing.load_config(["loss_fn.ratio_clip_min=-0.5"])
+    for knob in ("policy.optimizer.lr", "loss_fn.entropy_coef", "loss_fn.ratio_clip_c"):  # > 0, >= 0, float > 1
+        with pytest.raises(plumbing.ConfigError, match=rf"{knob} must be .*, got inf"):
+            plumbing.load_config([f"{knob}=inf"])
     with pytest.raises(plumbing.ConfigError, match=r"grpo.seed.*expected int, got str \('\[1,'\)"):
         plumbing.load_config(["grpo.seed=[1,"])  # not YAML at all
     cfg = plumbing.load_config(
