@@ -170,7 +170,7 @@ def seed_of(*parts: int) -> int:
 
 def rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
     """This rank's share of the step's groups, generated and scored, like NeMo-RL's rollouts with their rewards. DAPO's
-    dynamic sampling and partial rollouts each enter here by one `if`. Their sections follow the core."""
+    dynamic sampling and partial rollouts each enter here by one `if`. Their section follows the core."""
     g, n, before = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt, run.engine.generated
     groups_of = partial_rollout if g.partial_rollouts.enabled else generate_groups  # (run, step) -> groups
     if g.use_dynamic_sampling:
@@ -255,14 +255,10 @@ def make_batch(samples: list[Sample], cfg: plumbing.Config, pad_id: int) -> Roll
 
 
 def shaped_rewards(samples: list[Sample], cfg: plumbing.Config) -> torch.Tensor:
-    """The samples' rewards [B], less DAPO's overlong penalty where reward_shaping is on. The penalty grows linearly
-    over the last overlong_buffer_length tokens of the allowed length."""
-    rewards, shaping = torch.tensor([s.reward for s in samples]), cfg.grpo.reward_shaping
-    if shaping.enabled:
-        buffer = shaping.overlong_buffer_length
-        expected = (shaping.max_response_length or cfg.policy.generation.max_new_tokens) - buffer
-        over = torch.tensor([len(s.completion_ids) for s in samples]) - expected  # tokens into the buffer
-        rewards -= (over / buffer * shaping.overlong_buffer_penalty).clamp(min=0)
+    """The samples' rewards [B], less DAPO's overlong penalty where grpo.reward_shaping is on."""
+    rewards = torch.tensor([s.reward for s in samples])
+    if cfg.grpo.reward_shaping.enabled:
+        rewards -= overlong_penalty(samples, cfg)
     return rewards
 
 
@@ -371,8 +367,9 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
     hidden states predicting the model's tokens reach the LM head, in fp32 log-softmax chunks. Samples a, b of prompt p:
         token      p0 p1 p2 a0 a1 b0 b1 b2
         position    0  1  2  3  4  3  4  5    each sample's own positions
-    In packed_attention, a token attends to its sample's tokens up to itself, so b1 attends to p0 p1 p2 b0 b1. The logit
-    at a token predicts its sample's next token, so p2's predicts a0 and b0, and b1's predicts b2."""
+    In every layer, a token attends to its sample's tokens up to itself, so b1 attends to p0 p1 p2 b0 b1 (the policy's
+    attention, packed_attention, in the Model section, calls one kernel a layer for that). The logit at a token predicts
+    its sample's next token, so p2's predicts a0 and b0, and b1's predicts b2."""
     B, T = input_ids.shape
     if B == 0:  # this rank has no sample in this micro-batch, but FSDP's forward and backward need every rank
         zero = 0 * model(input_ids=input_ids.new_zeros(1, 1)).logits.sum()
@@ -415,34 +412,6 @@ def policy_logprobs(model, input_ids: torch.Tensor, token_mask: torch.Tensor, cf
     )
     out = torch.zeros(B, T, 2, device=row.device).masked_scatter(token_mask[..., None] > 0, values)  # [B, T, 2]
     return out[..., 0], out[..., 1]
-
-
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packing=None, **kwargs):
-    """The policy's attention (ATTENTION) over a packed row, one call a layer. It maps query [1, heads, N, d], key and
-    value [1, kv heads, N, d] to [1, N, heads, d]. Each sample attends causally to its prompt's copy and its own tokens,
-    and no [N, N] mask exists. `packing` is what policy_logprobs made for the row. Without it, this is sdpa."""
-    if packing is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    padded, in_row, keys, cu_q, cu_k, max_q = packing  # [B, T], [B, T], [Tk], [B + 1], [B + 1], an int
-    if query.is_cuda and query.dtype != torch.float32:  # FlashAttention's kernel for variable lengths
-        # A sample's queries are its tokens in the row, its keys its whole sample. The causal mask aligns the last query
-        # with the last key, so a sample that shares its prompt sees the prompt's copy before its own tokens.
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d], [N, kv heads, d] twice
-        causal = dict(window_size=(-1, 0), scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
-        out = varlen_attn(q, k[keys], v[keys], cu_q, cu_k, max_q, padded.shape[1], **causal)
-        return out[None], None  # [1, N, heads, d]
-    # Elsewhere each sample is a row of a padded batch, its prompt's queries computed again. Padding comes after a
-    # sample's tokens, so causal attention never lets a token see it.
-    # On CUDA at fp32 this is the memory-efficient kernel, which takes grouped KV heads as they are (torch 2.14).
-    q, k, v = (x[0][:, padded].transpose(0, 1) for x in (query, key, value))  # [B, heads, T, d], kv heads for k and v
-    gqa = k.shape[1] != q.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2)[in_row][None], None  # the tokens with a place in the row, in its order
-
-
-ATTENTION = "grpo_packed"  # the policy's attention: packed_attention in a packed row, else transformers' sdpa
-transformers.AttentionInterface.register(ATTENTION, packed_attention)
-transformers.AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 def chunk_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float, entropy_grad: bool):
@@ -634,7 +603,7 @@ def validate(run: Run, step: int) -> dict:
     return metrics
 
 
-# ======== Variants that enter `rollout` by one `if`: DAPO's dynamic sampling, partial rollouts ========================
+# ======== Variants that enter the core by one `if`: DAPO's dynamic sampling and overlong penalty, partial rollouts ====
 
 
 def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[list[Sample]], dict]:
@@ -649,9 +618,7 @@ def dynamic_sampling(run: Run, step: int, groups_of: Callable) -> tuple[list[lis
         if len(kept) >= g.num_prompts_per_step:
             break
     else:  # every rank sees the same kept groups, so all stop here together
-        plumbing.stop_run(
-            f"step {step}: {len(kept)} groups with advantages; raise grpo.dynamic_sampling_max_gen_batches"
-        )
+        plumbing.stop_run(f"step {step}: only {len(kept)} groups to train; raise grpo.dynamic_sampling_max_gen_batches")
     drawn_sum, count = all_reduce([sum(s.reward for group in drawn for s in group), len(drawn) * n])
     return kept[share(g.num_prompts_per_step)], {
         "train/drawn_reward": drawn_sum / count,
@@ -708,6 +675,15 @@ def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[lis
     picked = [a for a, is_done in enumerate(done) if is_done][:quota]
     left = sorted(deadline for a, deadline in enumerate(deadlines) if a not in picked)
     return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
+
+
+def overlong_penalty(samples: list[Sample], cfg: plumbing.Config) -> torch.Tensor:
+    """DAPO's overlong penalty [B] (docs/variants.md). It grows linearly over the last overlong_buffer_length tokens of
+    the allowed length, from 0 to overlong_buffer_penalty."""
+    shaping = cfg.grpo.reward_shaping
+    expected = (shaping.max_response_length or cfg.policy.generation.max_new_tokens) - shaping.overlong_buffer_length
+    over = torch.tensor([len(s.completion_ids) for s in samples]) - expected  # tokens into the buffer
+    return (over / shaping.overlong_buffer_length * shaping.overlong_buffer_penalty).clamp(min=0)
 
 
 # ======== Generation engines: vLLM in-process (the real one) and HF generate (debugging), one surface =================
@@ -919,7 +895,7 @@ class HFEngine:
     finish_generation = close = staticmethod(lambda: None)  # it generates with the policy, so nothing sleeps or closes
 
 
-# ======== Model: tiny-debug, FSDP2 policy, optimizer, weight buckets for refit and export =============================
+# ======== Model: tiny-debug, packed attention, FSDP2 policy, optimizer, weight buckets for refit and export ==========
 
 
 class LoRALinear(torch.nn.Module):
@@ -949,6 +925,34 @@ def set_adapters(model, enabled: bool) -> None:
     for m in model.modules():
         if isinstance(m, LoRALinear):
             m.enabled = enabled
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packing=None, **kwargs):
+    """The policy's attention (ATTENTION) over a packed row, one call a layer. It maps query [1, heads, N, d], key and
+    value [1, kv heads, N, d] to [1, N, heads, d]. Each sample attends causally to its prompt's copy and its own tokens,
+    and no [N, N] mask exists. `packing` is what policy_logprobs made for the row. Without it, this is sdpa."""
+    if packing is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    padded, in_row, keys, cu_q, cu_k, max_q = packing  # [B, T], [B, T], [Tk], [B + 1], [B + 1], an int
+    if query.is_cuda and query.dtype != torch.float32:  # FlashAttention's kernel for variable lengths
+        # A sample's queries are its tokens in the row, its keys its whole sample. The causal mask aligns the last query
+        # with the last key, so a sample that shares its prompt sees the prompt's copy before its own tokens.
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d], [N, kv heads, d] twice
+        causal = dict(window_size=(-1, 0), scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+        out = varlen_attn(q, k[keys], v[keys], cu_q, cu_k, max_q, padded.shape[1], **causal)
+        return out[None], None  # [1, N, heads, d]
+    # Elsewhere each sample is a row of a padded batch, its prompt's queries computed again. Padding comes after a
+    # sample's tokens, so causal attention never lets a token see it.
+    # On CUDA at fp32 this is the memory-efficient kernel, which takes grouped KV heads as they are (torch 2.14).
+    q, k, v = (x[0][:, padded].transpose(0, 1) for x in (query, key, value))  # [B, heads, T, d], kv heads for k and v
+    gqa = k.shape[1] != q.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2)[in_row][None], None  # the tokens with a place in the row, in its order
+
+
+ATTENTION = "grpo_packed"  # the policy's attention: packed_attention in a packed row, else transformers' sdpa
+transformers.AttentionInterface.register(ATTENTION, packed_attention)
+transformers.AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 def load_policy(path: str, cfg: plumbing.Config, trainable: bool, auto=transformers.AutoModelForCausalLM):
