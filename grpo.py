@@ -17,7 +17,12 @@ A step runs these phases:
   1. Refit, in refit_policy_generation. With the offload, AdamW's state and the frozen models go to host memory. The
      engine's weights wake, the policy's weights stream in, the policy goes to host memory, and the KV cache wakes.
      In step 1 no weights stream, because setup already streamed and checked them; nor after a validation, because
-     validation refits the engine and leaves it awake.
+     validation refits the engine and leaves it awake. weight_buckets gathers the FSDP2 shards a few whole layers at a
+     time (policy.refit_buffer_size_gb a bucket), under the names of the model's files, in policy.precision.
+     update_weights streams each bucket into vLLM's reload_weights in place, then clears vLLM's prefix cache. The
+     engine then holds exactly the trainer's weights: in bf16, optimizer_step keeps the trainer's weights on the bf16
+     grid, so the cast loses nothing. setup's check (plumbing.check_refit) stops a run whose refit leaves a tensor out,
+     and train/token_mult_prob_error shows a refit that went wrong later.
   2. Generate, in rollout and generate. The engine completes num_generations_per_prompt samples, a group, of each of
      num_prompts_per_step prompts. draw_prompts derives each sample's seed from the run's seed (seed_of). score gives
      each completion its reward, r_i = reward_fn(prompt, completion, answer). reward_fn can also be a learned
@@ -29,20 +34,35 @@ A step runs these phases:
          A_i = (r_i - mean of the group's other rewards) / the std of those rewards, where that std is > 0
      By default a truncated sample (out of tokens, no EOS) keeps its reward and trains like any other; DAPO's
      grpo.overlong_filtering and grpo.reward_shaping change that.
-  5. pi_ref's logprobs of the sampled tokens, in reference_logprobs. pi_ref is loaded and used only while
-     loss_fn.reference_policy_kl_penalty > 0 (0.01 by default; 0 skips the reference model).
+  5. pi_ref's logprobs of the sampled tokens, in reference_logprobs. pi_ref is the initial policy: a frozen FSDP2 copy
+     that setup loads, or with LoRA the policy with its adapters off. It is loaded and used only while
+     loss_fn.reference_policy_kl_penalty > 0 (0.01 by default; 0 skips the reference model). The loss's KL_k3 per
+     token is exp(d) - d - 1 with d = log pi_ref(t) - log pi(t), clamped as NeMo-RL clamps it (clipped_pg_loss).
   6. Update, in train_step. An update trains a global batch: policy.train_global_batch_size samples over all ranks. By
      default that is the whole step (512 = 32 prompts x 16 samples), so one update a step. A step of k x
      train_global_batch_size samples makes k updates (the tiny-debug preset makes 2). For each of the model's tokens t
      in the global batch, with r_t = pi(t) / pi_old(t):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
      eps_min and eps_max are loss_fn.ratio_clip_min and _max, beta loss_fn.reference_policy_kl_penalty, and #tokens the
-     trained tokens of the global batch. pi_old is the policy before the step's updates. Its logprobs come from the
+     trained tokens of the global batch. #tokens is summed over all ranks before the update, and each micro-batch's
+     loss is its own tokens' sum divided by it, so micro-batches and ranks add up to this one loss. FSDP averages
+     gradients over ranks, so train_step multiplies each loss by the world size. pi_old is the policy before the
+     step's updates. Its logprobs come from the
      trainer's own forward, not from the engine. With one update a step, pi_old is that update's own forward: r_t = 1,
      the clip never binds, and the engine's logprobs enter only the mismatch metrics (train/token_mult_prob_error,
      which shows a bad refit) and loss_fn.use_importance_sampling_correction (off by default).
   7. Validate every val_period steps. Validation refits and generates, and leaves the engine awake. Then log the step,
      and save a checkpoint every save_period steps. A save puts the engine to sleep first.
+Ranks. Each rank draws num_prompts_per_step / world size prompts, contiguous in the data order, and keeps their
+groups whole from generation to the loss. Each update takes train_global_batch_size / world size samples a rank.
+So the world size divides both, train_global_batch_size divides the step's samples, and vLLM's tensor_parallel_size
+divides the world size: load_config names the knob that does not fit, before anything loads.
+Start-up, in main and setup, before step 1. load_config checks every knob and how they fit together. check_gpus
+checks that torch sees the GPUs. preflight checks the output paths, the model's files, the data and the memory plan,
+and finds the checkpoint to resume from. Up to here nothing has loaded, and each problem ends the run in one line
+naming the key, exit code 2. Then vLLM starts and generates 4 seeded prompts twice, the policy loads (rank 0 reads
+the files and broadcasts them), then pi_ref and any frozen models, AdamW, and the checkpoint. Last, the first refit
+streams the weights and plumbing.check_refit compares the engine's generations with the ones before it.
 Stopping. A stop signal (SIGTERM, Ctrl-C) ends the run after the step it arrives in, with a checkpoint if checkpointing
 is on; a signal during start-up exits at once. Torchrun kills its ranks 30 s after it passes a signal on, so raise its
 --shutdown-timeout above a step and a save (docs/checkpoints.md). A rank that raises takes every rank down within a
