@@ -619,8 +619,8 @@ def validate(run: Run, step: int) -> dict:
     refit_policy_generation(run, step)  # the engine stays awake and the trainer in host memory, since a step follows
     for i, (name, rows) in enumerate(run.val_sets.items()):
         prefix, file = ("validation", "val_data") if i == 0 else (f"validation/{name}", f"val_data_{name}")
-        # share(n) is this rank's contiguous slice of n items; every rank gets as many.
-        mine = share(len(rows) // dist.get_world_size() * dist.get_world_size())
+        # share(n) is this rank's contiguous part of n items. The ranks' parts differ by at most one and cover them all.
+        mine = share(len(rows))
         seeds = [seed_of(g.seed + 1, step, j) for j in range(mine.start * k, mine.stop * k)]
         samples = generate_samples(run, rows[mine], seeds, k, greedy=g.val_greedy)
         samples = gather_all([plumbing.record(s, tokens=sum(s.assistant)) for s in samples])

@@ -1181,9 +1181,9 @@ def device() -> torch.device:
 
 
 def share(n: int) -> slice:
-    """This rank's contiguous share of n items (n divisible by the world size)."""
-    per_rank = n // dist.get_world_size()
-    return slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
+    """This rank's contiguous part of n items, in rank order. The parts differ by at most one item (none when the
+    world size divides n) and together cover all n."""
+    return slice(dist.get_rank() * n // dist.get_world_size(), (dist.get_rank() + 1) * n // dist.get_world_size())
 
 
 def gather_all(records: list) -> list:

@@ -3836,6 +3836,7 @@ def two_rank_runs(tmp_path_factory):
                 f"grpo.max_num_steps={steps}",
                 "checkpointing.save_period=3",
                 "grpo.val_greedy=true",
+                "grpo.max_val_samples=63",  # odd, so the ranks' parts differ
                 f"logger.log_dir={log_dir}",
             ],
             ranks=2,
@@ -3856,6 +3857,9 @@ def test_torchrun_two_ranks_matches_one_rank(one_rank_run, two_rank_runs):
     for a, b in zip(one_rank_run[1][:6], two):
         for key in ("train/reward", "train/loss", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+    # Validation covers every row, though 2 ranks do not divide 63 (before: 62, a row left out).
+    assert two[-1]["validation/samples"] == 63
+    assert sum(1 for _ in open(two_rank_runs[0] / "val_data_step6.jsonl")) == 63
 
 
 @pytest.mark.slow
