@@ -29,10 +29,12 @@ A step runs these phases:
      RewardModel. An environment instead plays multi-turn episodes.
   3. The engine sleeps, and the trainer comes back to the device, in finish_generation.
   4. Advantages, in make_batch, from the whole step's rewards, minus DAPO's overlong penalty where reward_shaping is on
-     (shaped_rewards). The model's tokens are the ones the engine generated, not the prompt's and not an environment's.
-     Each of them in sample i gets, by default (leave-one-out, as NeMo-RL's; compute_advantages has the edge cases):
+     (shaped_rewards). The model's tokens are the ones the engine generated, not the prompt's and not an environment's;
+     an EOS or a stop string the engine generated is one of them. Each of them in sample i gets, by default
+     (leave-one-out, as NeMo-RL's; compute_advantages has the edge cases):
          A_i = (r_i - mean of the group's other rewards) / the std of those rewards, where that std is > 0
-     By default a truncated sample (out of tokens, no EOS) keeps its reward and trains like any other; DAPO's
+     A sample is truncated when the engine stops it for length (max_new_tokens, or the room left under
+     policy.max_total_sequence_length) before an EOS. By default it keeps its reward and trains like any other; DAPO's
      grpo.overlong_filtering and grpo.reward_shaping change that.
   5. pi_ref's logprobs of the sampled tokens, in reference_logprobs. pi_ref is the initial policy: a frozen FSDP2 copy
      that setup loads, or with LoRA the policy with its adapters off. It is loaded and used only while a
@@ -46,22 +48,23 @@ A step runs these phases:
      in the global batch, with r_t = pi(t) / pi_old(t):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
      eps_min and eps_max are loss_fn.ratio_clip_min and _max, beta loss_fn.reference_policy_kl_penalty, and #tokens the
-     trained tokens of the global batch. #tokens is summed over all ranks before the update, and each micro-batch's
-     loss is its own tokens' sum divided by it, so micro-batches and ranks add up to this one loss. FSDP averages
-     gradients over ranks, so train_step multiplies each loss by the world size. Each rank splits its share of an
-     update into micro-batches of at most policy.sequence_packing.train_mb_tokens tokens (token_budget; a prompt that
-     consecutive samples share counts once), and every rank runs as many. After them, the global gradient norm is
-     clipped to policy.max_grad_norm, and an update whose norm is not finite is skipped. The learning rate warms up
-     linearly over policy.optimizer.warmup_steps steps, then stays constant (get_lr).
-     pi_old is the policy before the step's updates. Its logprobs come from the trainer's own forward, not from the
-     engine. With one update a step, pi_old is that update's own forward: r_t = 1, the clip never binds
-     (train/clip_fraction is 0), and the engine's logprobs enter only the mismatch metrics
-     (train/token_mult_prob_error, which shows a bad refit) and loss_fn.use_importance_sampling_correction (off by
-     default).
+     trained tokens of the global batch (loss_fn.token_level_loss, the default; false averages each sample's tokens
+     first, and divides by the global batch's samples). #tokens is summed over all ranks before the update, and each
+     micro-batch's loss is its own tokens' sum divided by it, so micro-batches and ranks add up to this one loss. FSDP
+     averages gradients over ranks, so train_step multiplies each loss by the world size. Each rank splits its share of
+     an update (update j of k takes the rows j::k of its batch, a part of every group) into micro-batches of
+     policy.sequence_packing.train_mb_tokens tokens (token_budget; a prompt consecutive samples share counts once, and a
+     longer sample goes alone), and every rank runs as many. After them, the global gradient norm is clipped to
+     policy.max_grad_norm, and an update whose norm is not finite is skipped. The learning rate warms up linearly over
+     policy.optimizer.warmup_steps steps, then stays constant (get_lr). pi_old is the policy before the step's updates.
+     Its logprobs come from the trainer's own forward, not from the engine. With one update a step, pi_old is that
+     update's own forward: r_t = 1, the clip never binds (train/clip_fraction is 0), and the engine's logprobs enter
+     only the mismatch metrics (train/token_mult_prob_error, which shows a bad refit) and
+     loss_fn.use_importance_sampling_correction (off by default).
   7. Validate every val_period steps. Validation refits and generates, and leaves the engine awake. Then log the step,
      and save a checkpoint every save_period steps. A save puts the engine to sleep first.
 Ranks. Each rank draws num_prompts_per_step / world size prompts, contiguous in the data order, and keeps their groups
-whole from generation to the loss. (Dynamic sampling draws more in rounds, and partial rollouts keep
+whole through generation and advantages. (Dynamic sampling draws more in rounds, and partial rollouts keep
 grpo.batch_multiplier times as many in flight.) With vllm_cfg.tensor_parallel_size 1, the default, each rank runs its
 own engine holding the whole model; with k, each k consecutive ranks share one. Each update takes
 train_global_batch_size / world size samples a rank. So the world size divides both, train_global_batch_size divides the
@@ -73,31 +76,35 @@ and finds the checkpoint to resume from. Up to here nothing has loaded, and each
 naming the key, exit code 2. Then vLLM starts and generates 4 seeded prompts twice, the policy loads (rank 0 reads
 the files and broadcasts them), then pi_ref and any frozen models, AdamW, and the checkpoint. Last, the first refit
 streams the weights and plumbing.check_refit compares the engine's generations with the ones before it.
-Stopping. A stop signal (SIGTERM, Ctrl-C) ends the run after the step it arrives in, with a checkpoint if checkpointing
-is on; a signal during start-up exits at once. Torchrun kills its ranks 30 s after it passes a signal on, so raise its
---shutdown-timeout above a step and a save (docs/checkpoints.md). A rank that raises takes every rank down within a
-second, and torchrun, given --max-restarts, restarts them all from the last checkpoint
-(plumbing.stop_all_ranks_on_failure). An out-of-memory error is such an exception, and it recurs at every restart:
-the memory plan is there to prevent it. A rank that hangs holds the others up to grpo.collective_timeout_s (an hour
-by default), and then the job fails.
-A reward that fails scores 0 with a warning, and an update with a non-finite loss or gradient is skipped.
+Stopping. A stop signal (SIGTERM, Ctrl-C) ends the run after the step it arrives in (train checks for it after
+end_of_step), with a checkpoint if checkpointing is on; a signal during start-up exits at once. Torchrun kills its ranks
+30 s after it passes a signal on, so raise its --shutdown-timeout above a step and a save (docs/checkpoints.md). A rank
+that raises takes every rank down within a second (plumbing.stop_all_ranks_on_failure), and torchrun, given
+--max-restarts, restarts them all from the last checkpoint. An out-of-memory error is such an exception, and it recurs
+at every restart: the memory plan is there to prevent it. A rank that hangs holds the others up to
+grpo.collective_timeout_s (an hour by default), and then the job fails. A reward that fails scores 0 with a warning, and
+the 0 stays in its group's baseline as a wrong answer's would; an update with a non-finite loss or gradient is skipped.
 grpo.max_consecutive_nonfinite (3) steps in a row with a skipped update, or with a reward failing on every sample of a
 rank, stop the run in one line with exit code 1 and no save (end_of_step). torchrun's --max-restarts restarts such a
 stop as it would a crash: the run resumes from the last checkpoint, and the count starts again.
 Resuming. A run resumes from the latest complete checkpoint in checkpointing.checkpoint_dir (logger.log_dir/checkpoints
-by default), in setup. A save writes tmp_step_N, each rank its shards, and renames it step_N once complete; a start
-removes what a killed save left. The checkpoint holds the weights, AdamW's state, and run.info: the step, and
-consumed_samples, which counts the prompts drawn (NeMo-RL's name), so the next prompts of the data order follow. A bf16
-run's AdamW state holds the fp32 masters; partial rollouts' unfinished groups go in files of each rank's. No random
-state is saved: every seed derives from (grpo.seed, step, ...), as seed_of lists, so a resumed run draws an
-uninterrupted run's prompts and seeds (bit-exact on CPU at the same world size, tested; GPU kernels are not
-bit-deterministic). Nothing else needs saving: the learning rate is a function of the step, and pi_ref is read again
-from policy.model_name. The world size may change: DCP reshards the checkpoint, and the steps after it differ from an
-uninterrupted run's in rounding only (other micro-batches, sums in another order, bf16's rounding). A checkpoint is
-refused (unless checkpointing.allow_config_change) where policy.model_name, policy.precision, grpo.seed,
-grpo.num_prompts_per_step, anything under data, policy.max_total_sequence_length, generation.max_new_tokens or
-policy.lora differ (plumbing.RESUME_KEYS); other knobs, the learning rate say, take their new values without a word.
-metrics.jsonl is cut back to the checkpoint's step and goes on; a redone step's sample files are written again.
+by default), in setup. A save writes tmp_step_N and renames it step_N once complete, and a start removes what a killed
+save left. step_N holds policy/ (DCP shards of the weights and AdamW's state, with a bf16 run's fp32 masters),
+training_info.json (run.info: the step, consumed_samples and val_reward), config.yaml, each rank's unfinished groups of
+partial rollouts, and hf/ where the save exports. consumed_samples counts the prompts drawn (NeMo-RL's name), so the
+next prompts of the data order follow. After a save, checkpoints outside the checkpointing.keep_top_k (3) best by
+metric_name are deleted; the latest always stays. run.info is written only with a checkpoint, so a kill redoes the steps
+since the last save, with the same prompts and seeds. No random state is saved: every seed derives from (grpo.seed,
+step, ...), as seed_of lists, and each engine request carries its own. So a resumed run draws an uninterrupted run's
+prompts and seeds (bit-exact on CPU at the same world size, tested; GPU kernels are not bit-deterministic). Nothing else
+needs saving: the learning rate is a function of the step, and pi_ref is read again from policy.model_name. The world
+size may change: DCP reshards the checkpoint, and the steps after it differ from an uninterrupted run's in rounding only
+(other micro-batches, sums in another order, bf16's rounding). A checkpoint is refused in one line (unless
+checkpointing.allow_config_change) where its config.yaml and the run's differ in policy.model_name, policy.precision,
+grpo.seed, grpo.num_prompts_per_step, anything under data, policy.max_total_sequence_length,
+policy.generation.max_new_tokens or policy.lora (plumbing.RESUME_KEYS); other knobs, the learning rate say, take their
+new values without a word. metrics.jsonl is cut back to the checkpoint's step and goes on; a redone step's sample files
+are written again.
 README.md has the commands, and docs/ the variants, rewards, environments, speed and GPUs. plumbing.py holds what every
 run needs and a reader of the algorithm skips; its docstring lists it. Left out are Ray, separate generation workers,
 tensor or pipeline parallelism in the trainer (FSDP2 only), Megatron, value models and vision.
@@ -498,10 +505,8 @@ def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: 
 
 def token_budget(cfg: plumbing.Config, kind: str) -> int:
     """A micro-batch's tokens for 'train' or 'logprob': sequence_packing's knob, or when that is unset, 512 on CPU (the
-    fastest on SmolLM2, docs/speed.md) and logprob_batch_size full-length samples on CUDA. A training one on CUDA is
-    set before anything loads: the memory plan (plumbing.memory_plan) computes each phase's device memory from the
-    model's config, prints it, stops a run that would not fit in one line, and sets an unset train_mb_tokens to
-    train_micro_batch_size full-length samples or to what fits, whichever is less."""
+    fastest on SmolLM2, docs/speed.md) and logprob_batch_size full-length samples on CUDA. On CUDA, the memory plan
+    sets an unset train_mb_tokens before anything loads (the module docstring)."""
     p = cfg.policy
     if p.sequence_packing[f"{kind}_mb_tokens"] or not torch.cuda.is_available():
         return p.sequence_packing[f"{kind}_mb_tokens"] or 512
