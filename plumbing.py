@@ -188,8 +188,7 @@ def read_yaml(path: str) -> dict:
 def deep_merge(base: dict, override: dict) -> dict:
     out = dict(base)
     for key, value in override.items():
-        merge = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = deep_merge(out[key], value) if merge else value
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
@@ -864,8 +863,8 @@ def log_step(logger: Logger, step: int, cfg: Config, batch, metrics: dict) -> li
     samples = []
     for s, reward, generation, prev, advantages, mine in zip(batch.samples, batch.rewards, *(t.cpu() for t in columns)):
         logprobs = {"generation_logprobs": generation[mine].tolist(), "prev_logprobs": prev[mine].tolist()}
-        advantage = advantages[mine].mean().item()  # the mean over its tokens of what the loss used
-        samples.append(record(s, shaped_reward=reward.item(), advantage=advantage, **logprobs))
+        # A sample's advantage is the mean over its tokens of what the loss used.
+        samples.append(record(s, shaped_reward=reward.item(), advantage=advantages[mine].mean().item(), **logprobs))
     samples = gather_all(samples)
     turns = [sum(t["role"] == "assistant" for t in s["turns"]) for s in samples]
     metrics["train/avg_turns_per_sample"] = np.mean(turns)  # NeMo-RL's multi-turn metrics
@@ -1152,8 +1151,10 @@ def first_line(e: Exception) -> str:
 
 
 def stop_run(message: str) -> None:
-    """A decision every rank takes together: one error line (rank 0), exit code 1."""
+    """A decision every rank takes together: one error line (rank 0), exit code 1. It is posted in torchrun's store,
+    where a restart of the job finds it and ends at once (attempt_store): the run would only take it again."""
     print0(f"error: {message}", file=sys.stderr)
+    dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False).set("grpo_stopped", "1")
     sys.exit(1)
 
 
@@ -1226,6 +1227,9 @@ def attempt_store(timeout: datetime.timedelta) -> dict:
     global ATTEMPT
     host, store = os.environ["MASTER_ADDR"], None
     launcher = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    # An attempt before stopped the run by a decision (stop_run) that this one would take again: no restart then.
+    if launcher.check(["grpo_stopped"]):
+        sys.exit(1 if os.environ["RANK"] != "0" else "not restarting: the run stopped itself (its error line is above)")
     # A rank torchrun restarted ends its node's attempt before on every node (stop_all_ranks_on_failure's watchers).
     # A peer of a rank killed by SIGKILL would otherwise wait in NCCL, which sees no death, up to collective_timeout_s.
     launcher.set(f"grpo_failed_rank_{ATTEMPT - 1}", os.environ["RANK"])

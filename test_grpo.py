@@ -1823,15 +1823,23 @@ def needs_a_grader_on_rank_1(prompt, completion, answer):
 
 @pytest.mark.slow
 def test_a_reward_failing_on_every_sample_of_one_rank_stops_the_run_after_three_steps(tmp_path):
-    """Rank 1's half of every batch would train on zeros for good: the run stops, naming the rank."""
+    """Rank 1's half of every batch would train on zeros for good: the run stops, naming the rank. Under torchrun's
+    restarts it stays stopped: each restart ends before anything loads (before: two restarts resumed from a checkpoint
+    and trained 9 steps, stopping three times)."""
     args = TINY + ["env.reward_fn=test_grpo:needs_a_grader_on_rank_1", "env.reward_timeout_s=10", "grpo.val_period=0"]
-    result = run(["grpo.py"] + args + [f"logger.log_dir={tmp_path}"], ranks=2)
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=2", "grpo.py"]
+    result = run(torchrun + args + ["checkpointing.save_period=1", f"logger.log_dir={tmp_path}"])
     assert result.returncode != 0 and [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
     assert read_metrics(tmp_path)[0]["train/reward"] > 0  # rank 0's samples are scored
     assert (
-        "error: 3 steps in a row with needs_a_grader_on_rank_1 failing on every sample of rank 1 (raised "
-        "ModuleNotFoundError: No module named 'no_such_grader') (grpo.max_consecutive_nonfinite)"
-    ) in result.stderr.splitlines()
+        result.stderr.splitlines().count(
+            "error: 3 steps in a row with needs_a_grader_on_rank_1 failing on every sample of rank 1 (raised "
+            "ModuleNotFoundError: No module named 'no_such_grader') (grpo.max_consecutive_nonfinite)"
+        )
+        == 1
+    )
+    assert result.stderr.count("not restarting: the run stopped itself (its error line is above)") == 2
+    assert "resumed from" not in result.stdout
 
 
 @pytest.mark.slow
