@@ -78,13 +78,16 @@ train_global_batch_size, train_global_batch_size divides the step's samples, and
 world size: load_config names the knob that does not fit, before anything loads. A sample's seed depends on its prompt's
 number over all ranks, never on the rank, so any world size draws the same samples and advantages; only the
 micro-batches, the order of sums and bf16's per-rank rounding differ. By default on 8 GPUs, each rank draws 4 prompts,
-generates their 64 samples with its own engine, and trains them as its part of the step's one update.
-Start-up, in main and setup, before step 1. load_config checks every knob and how they fit together. check_gpus
-checks that torch sees the GPUs. preflight checks the output paths, the model's files, the data and the memory plan,
-and finds the checkpoint to resume from. Up to here nothing has loaded, and each problem ends the run in one line
-naming the key, exit code 2. Then vLLM starts and generates 4 seeded prompts twice, the policy loads (rank 0 reads
-the files and broadcasts them), then pi_ref and any frozen models, AdamW, and the checkpoint. Last, the first refit
-streams the weights and plumbing.check_refit compares the engine's generations with the ones before it.
+generates their 64 samples with its own engine, and trains them as its part of the step's one update. The other defaults
+(config.yaml): Qwen/Qwen2.5-1.5B-Instruct on openai/gsm8k, 1000 steps, learning rate 5e-6 after 50 warmup steps, 1024
+tokens a sample (768 generated), a validation and a save every 10 steps; on 80 GB GPUs the plan peaks at 43.5 GiB a GPU
+and 79.6 GiB of host memory a node (docs/gpus.md).
+Start-up, in main and setup, before step 1. load_config checks every knob and how they fit together, check_gpus that
+torch sees the GPUs, and preflight the output paths, the model's files, the data and the memory plan; it also finds the
+checkpoint to resume from. Until then nothing has loaded, and a problem ends the run in one line naming the key, exit
+code 2. Then vLLM starts and generates 4 seeded prompts twice. The policy loads (rank 0 reads the files and broadcasts
+them), then any reward models, pi_ref and frozen models, AdamW, and the checkpoint. Last, the first refit streams the
+weights, and plumbing.check_refit compares the engine's generations with the earlier ones.
 Stopping. A stop signal (SIGTERM, Ctrl-C) ends the run after the step it arrives in (train checks for it after
 end_of_step), with a checkpoint if checkpointing is on, and the ranks exit 0 (torchrun itself exits 1 after a signal); a
 signal during start-up exits at once. Torchrun kills its ranks 30 s after it passes a signal on, so raise its
@@ -634,8 +637,7 @@ def validate(run: Run, step: int) -> dict:
     refit_policy_generation(run, step)  # the engine stays awake and the trainer in host memory, since a step follows
     for i, (name, rows) in enumerate(run.val_sets.items()):
         prefix, file = ("validation", "val_data") if i == 0 else (f"validation/{name}", f"val_data_{name}")
-        # share(n) is this rank's contiguous part of n items. The ranks' parts differ by at most one and cover them all.
-        mine = share(len(rows))
+        mine = share(len(rows))  # this rank's part of the rows: the parts differ by one at most and cover them all
         seeds = [seed_of(g.seed + 1, step, j) for j in range(mine.start * k, mine.stop * k)]
         samples = generate_samples(run, rows[mine], seeds, k, greedy=g.val_greedy)
         samples = gather_all([plumbing.record(s, tokens=sum(s.assistant)) for s in samples])
@@ -719,10 +721,9 @@ def partial_rollout(run: Run, step: int, first: int = 0) -> list[list[Sample]]:
 
 
 def pick_groups(done: list[bool], deadlines: list[int], quota: int) -> tuple[list[int], bool]:
-    """The groups to train, the oldest `quota` done ones, and whether to take them now. Take them now only if waiting
-    would drop no group: each later step trains `quota` groups, so the groups left, nearest deadline first, must have
-    steps enough for those before them. The k-th of them (k from 0) needs a deadline of at least (k + 1) / quota steps
-    (docs/variants.md)."""
+    """The groups to train, the oldest `quota` done ones, and whether to take them now: only if waiting would drop no
+    group. Each later step trains `quota` groups, so of the groups left, nearest deadline first, the k-th (k from 0)
+    needs a deadline of at least (k + 1) / quota steps (docs/variants.md)."""
     picked = [a for a, is_done in enumerate(done) if is_done][:quota]
     left = sorted(deadline for a, deadline in enumerate(deadlines) if a not in picked)
     return picked, len(picked) == quota and all(deadline * quota > k for k, deadline in enumerate(left))
@@ -766,10 +767,9 @@ def finish_generation(run: Run) -> None:
 
 
 def move_trainer(run: Run, where: str, *parts: str) -> None:
-    """Moves parts of the trainer to `where`, "host" or "device". "policy" and "frozen" (the frozen models: the
-    reference and run.frozen) move their FSDP shards, the same Parameters that key the optimizer's state. "optimizer"
-    moves AdamW's state, the fp32 masters too, but not its step counts. The copies block, into pageable host memory of
-    the exact size rather than torch's pinned cache (docs/gpus.md)."""
+    """Moves to `where`, "host" or "device", the FSDP shards of "policy" and "frozen" (the reference, run.frozen), which
+    key AdamW's state, and that state, the fp32 masters too, for "optimizer". The copies block, into pageable host
+    memory of the exact size rather than torch's pinned cache (docs/gpus.md)."""
     to = "cpu" if where == "host" else device()
     frozen = [m for m in [run.reference, *run.frozen.values()] if m not in (None, run.policy)]  # LoRA reuses the policy
     for model in ([run.policy] if "policy" in parts else []) + (frozen if "frozen" in parts else []):
