@@ -519,9 +519,9 @@ def plan_micro_batches(input_ids: torch.Tensor, token_mask: torch.Tensor, rows: 
 
 
 def token_budget(cfg: plumbing.Config, kind: str) -> int:
-    """A micro-batch's tokens for 'train' or 'logprob': sequence_packing's knob, or when that is unset, 512 on CPU (the
-    fastest on SmolLM2, docs/speed.md) and logprob_batch_size full-length samples on CUDA. A training one on CUDA is
-    the memory plan's, set before anything loads (train_micro_batch_size full-length samples where no plan ran)."""
+    """A micro-batch's tokens, policy.sequence_packing.<kind>_mb_tokens, kind "train" or "logprob". Unset on CPU: 512,
+    the fastest on SmolLM2 (docs/speed.md). On CUDA the memory plan sets train_mb_tokens before anything loads, so the
+    last line gives logprob passes logprob_batch_size full-length samples (and a test with no plan its train ones)."""
     p = cfg.policy
     if p.sequence_packing[f"{kind}_mb_tokens"] or not torch.cuda.is_available():
         return p.sequence_packing[f"{kind}_mb_tokens"] or 512
