@@ -100,7 +100,7 @@ the job fails. A reward that fails (raises, or runs past env.reward_timeout_s) s
 in its group's baseline as a wrong answer's would; an update with a non-finite loss or gradient is skipped.
 grpo.max_consecutive_nonfinite (3) steps in a row with an update skipped, or with a reward failing on every sample of a
 rank, stop the run on every rank after the same step, in one line with exit code 1 and no save (end_of_step). Such a
-stop is posted in torchrun's store, and a restart of the job ends at once (plumbing.stop_run).
+stop is posted in torchrun's store, and a restart of the job ends at once (stop_all_ranks_on_failure).
 Resuming. With checkpointing.enabled, a run resumes from the latest complete checkpoint in checkpointing.checkpoint_dir
 (logger.log_dir/checkpoints by default), in setup. A save writes tmp_step_N and renames it step_N once complete, and a
 start removes what a killed save left. step_N holds policy/ (DCP shards of the weights and AdamW's state, with a bf16

@@ -1151,10 +1151,9 @@ def first_line(e: Exception) -> str:
 
 
 def stop_run(message: str) -> None:
-    """A decision every rank takes together: one error line (rank 0), exit code 1. It is posted in torchrun's store,
-    where a restart of the job finds it and ends at once (attempt_store): the run would only take it again."""
+    """A decision every rank takes together: one error line (rank 0), exit code 1 (stop_all_ranks_on_failure posts it,
+    so torchrun's restarts end at once)."""
     print0(f"error: {message}", file=sys.stderr)
-    dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False).set("grpo_stopped", "1")
     sys.exit(1)
 
 
@@ -1227,7 +1226,8 @@ def attempt_store(timeout: datetime.timedelta) -> dict:
     global ATTEMPT
     host, store = os.environ["MASTER_ADDR"], None
     launcher = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    # An attempt before stopped the run by a decision (stop_run) that this one would take again: no restart then.
+    # An attempt before stopped the run by a decision every rank took (stop_all_ranks_on_failure), which this one would
+    # take again: no restart then.
     if launcher.check(["grpo_stopped"]):
         sys.exit(1 if os.environ["RANK"] != "0" else "not restarting: the run stopped itself (its error line is above)")
     # A rank torchrun restarted ends its node's attempt before on every node (stop_all_ranks_on_failure's watchers).
@@ -1286,6 +1286,7 @@ def stop_all_ranks_on_failure():
     try:
         yield
     except SystemExit:  # a decision every rank takes together (bad data, too many non-finite steps)
+        store.set("grpo_stopped", "1")  # a restart would take it again: torchrun's restarts end at once (attempt_store)
         raise
     except BaseException as e:  # this rank alone: show where, and take the other ranks down with it
         exit_if_another_failed()  # if so, this rank's own error is only a broken collective
